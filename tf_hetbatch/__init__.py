@@ -1,0 +1,59 @@
+"""tf_hetbatch: data-parallel TensorFlow/Keras training on heterogeneous resources.
+
+Replica k gets a mini-batch b_k proportional to its throughput, the global batch
+B = sum(b_k) stays constant, and each replica's gradient is weighted by b_k / B, so
+every update is exactly the one a single device would make on the whole global batch.
+
+The public surface is listed below, one name per line. Names that need TensorFlow are
+imported lazily on first access, so the pure-Python core (split arithmetic, device
+capabilities, controllers, simulator) can be imported without TensorFlow.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+# Public name -> module that defines it.
+_PUBLIC = {
+    # Strategies (TensorFlow).
+    "HeteroMirroredStrategy": "tf_hetbatch.strategy",
+    "HeteroMultiWorkerMirroredStrategy": "tf_hetbatch.multi_worker",
+    "ReplicaTimes": "tf_hetbatch.timing",
+    # Keras callbacks.
+    "DynamicBatching": "tf_hetbatch.callback",
+    # Pure core (numpy only).
+    "split_proportionally": "tf_hetbatch.split",
+    "split_evenly": "tf_hetbatch.split",
+    "DeviceCapability": "tf_hetbatch.devices",
+    "cpu_capability": "tf_hetbatch.devices",
+    "gpu_capability": "tf_hetbatch.devices",
+    "ProportionalController": "tf_hetbatch.controllers",
+    "ModelBasedController": "tf_hetbatch.controllers",
+}
+
+__all__ = [
+    "HeteroMirroredStrategy",
+    "HeteroMultiWorkerMirroredStrategy",
+    "ReplicaTimes",
+    "DynamicBatching",
+    "split_proportionally",
+    "split_evenly",
+    "DeviceCapability",
+    "cpu_capability",
+    "gpu_capability",
+    "ProportionalController",
+    "ModelBasedController",
+]
+
+
+def __getattr__(name):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tf_hetbatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,136 @@
+"""Every use of private TensorFlow/Keras API, and every workaround of an upstream bug.
+
+Nothing else in tf_hetbatch imports `tensorflow.python.*` or `keras.src.*`, or relies on how
+Keras drives a `tf.distribute` strategy. Each item names what it works around and the upstream
+issue; `tests/test_compat.py` pins each one, so an upstream change fails loudly there first.
+
+Supported: TensorFlow >= 2.16 with Keras 3 (tested on TensorFlow 2.21.0 / Keras 3.15.1).
+Nothing here patches a class or a module: where an object must be adapted, it is one instance,
+adapted only under a tf_hetbatch strategy.
+"""
+
+import itertools
+import logging
+
+import keras
+import tensorflow as tf
+
+logger = logging.getLogger(__name__)
+
+TESTED_TF = "2.21"
+TESTED_KERAS = "3.15"
+
+
+def _version_tuple(version):
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+TF_VERSION = _version_tuple(tf.__version__)
+KERAS_VERSION = _version_tuple(keras.__version__)
+
+if TF_VERSION < (2, 16) or KERAS_VERSION < (3, 0):
+    raise ImportError(
+        "tf_hetbatch needs TensorFlow >= 2.16 with Keras 3. Received: "
+        f"tensorflow=={tf.__version__}, keras=={keras.__version__}. "
+        "Fix: pip install 'tensorflow>=2.16'."
+    )
+
+
+# --- Collective keys (tensorflow: several MirroredStrategy objects in one process) -------------
+# Two MirroredStrategy objects in one process start their collective group/instance keys at the
+# same base and can clash ("Shape mismatch in the collective instance 100"). TensorFlow reads the
+# (test-only) attribute `_collective_key_base` of the strategy object while constructing its
+# extended; giving every tf_hetbatch strategy its own base keeps their collectives apart.
+_COLLECTIVE_KEY_STRIDE = 100_000
+_collective_key_bases = itertools.count(start=1)
+
+
+def assign_collective_key_base(strategy):
+    """Gives `strategy` (before its `super().__init__`) a collective key base of its own."""
+    strategy._collective_key_base = next(_collective_key_bases) * _COLLECTIVE_KEY_STRIDE
+
+
+# --- Static batch size of a tf.data pipeline -----------------------------------------------------
+def static_batch_size(dataset):
+    """The dataset's batch size without partial batches, or None when it cannot be inferred.
+
+    Uses tf.data's own inference (`compute_batch_size`, which walks the pipeline to its last
+    `batch`), the same one `tf.distribute` uses for rebatching.
+    """
+    from tensorflow.python.data.experimental.ops import distribute as data_distribute
+
+    try:
+        value = int(data_distribute.compute_batch_size(dataset).numpy())
+    except (tf.errors.OpError, TypeError, ValueError):  # pragma: no cover - defensive
+        return None
+    return value if value > 0 else None
+
+
+# --- How Keras 3 drives Strategy.run ------------------------------------------------------------
+# Keras's TensorFlow trainer calls `strategy.run(model.train_step, args=(data,))` (likewise
+# `test_step`), with `data` from `strategy.experimental_distribute_dataset`. Its predict function
+# passes a tf.function instead. The bound method is how the strategy finds the model whose
+# optimizer it weights; if Keras changes this, `test_compat.py` fails.
+_KERAS_STEP_NAMES = ("train_step", "test_step")
+
+
+def keras_model_of_step(fn):
+    """Returns (model, kind) when `fn` is a Keras model's bound train/test step, else (None, None)."""
+    model = getattr(fn, "__self__", None)
+    name = getattr(fn, "__name__", None)
+    if isinstance(model, keras.Model) and name in _KERAS_STEP_NAMES:
+        return model, name
+    return None, None
+
+
+# --- keras-team/keras#19246: steps_per_execution > 1 under MirroredStrategy ---------------------
+# Keras 3 nests the tf.function `one_step_on_data` inside tf.cond inside tf.while_loop, which
+# fails under MirroredStrategy ("You must feed a value for placeholder tensor"). The fix inlines
+# that function in Keras itself; a strategy cannot reach it, so tf_hetbatch refuses the setting
+# with a clear error instead of failing deep inside TensorFlow. `test_compat.py` checks that the
+# stock strategy still fails, so the refusal is lifted as soon as upstream is fixed.
+STEPS_PER_EXECUTION_BROKEN = KERAS_VERSION < (3, 99)
+
+
+def check_steps_per_execution(model):
+    spe = getattr(model, "steps_per_execution", 1) or 1
+    if STEPS_PER_EXECUTION_BROKEN and int(spe) > 1:
+        raise ValueError(
+            "`steps_per_execution` must be 1 under a tf.distribute MirroredStrategy with "
+            f"Keras {keras.__version__}: Keras fails there even with the stock strategy "
+            "(keras-team/keras#19246). Received: steps_per_execution="
+            f"{spe}. Fix: model.compile(..., steps_per_execution=1)."
+        )
+
+
+# --- Keras's symbolic build reduces a data batch across replicas --------------------------------
+# `TensorFlowTrainer._maybe_symbolic_build` calls `strategy.reduce("MEAN", data_batch, axis=None)`
+# on the first distributed batch, only to build the model from its shapes. With uneven
+# per-replica batches the element-wise mean fails in AddN (the stock strategy crashes the same way
+# when the global batch does not divide by the replica count). `reduce` of tf_hetbatch strategies
+# recognises that call (axis=None over per-replica values of different batch sizes) and returns
+# the largest replica's batch, which has the shapes the build needs.
+def is_uneven_batch_reduce(strategy, reduce_op, value, axis):
+    if axis is not None or not isinstance(value, tf.distribute.DistributedValues):
+        return False
+    if str(getattr(reduce_op, "value", reduce_op)).upper() != "MEAN":
+        return False
+    local = strategy.experimental_local_results(value)
+    if not all(isinstance(t, tf.Tensor) for t in local) or not tf.executing_eagerly():
+        return False
+    shapes = {tuple(t.shape) for t in local}
+    return len(shapes) > 1 and len({s[1:] for s in shapes}) == 1
+
+
+def largest_local_batch(strategy, value):
+    local = strategy.experimental_local_results(value)
+    return max(local, key=lambda t: int(t.shape[0]))
+
+
+# --- Every layer of a model, nested ones included (Keras has no public walk) -------------------
+def all_layers(model):
+    return list(model._flatten_layers(include_self=False, recursive=True))

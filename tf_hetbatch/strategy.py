@@ -1,0 +1,379 @@
+"""HeteroMirroredStrategy: MirroredStrategy with uneven, exactly weighted per-replica batches."""
+
+import logging
+from typing import Optional, Sequence, Tuple
+
+import keras
+import tensorflow as tf
+
+from tf_hetbatch import _compat
+from tf_hetbatch import input_split
+from tf_hetbatch import split
+from tf_hetbatch import timing
+from tf_hetbatch import weighting
+
+logger = logging.getLogger(__name__)
+
+
+class HeteroMixin:
+    """What both tf_hetbatch strategies add to their stock base class.
+
+    The host class calls `_init_hetero()` after its stock constructor. Subclasses for several
+    workers override `_replica_range`, `_global_total` and `_gather_times`.
+    """
+
+    def _init_hetero(self):
+        num_replicas = self.num_replicas_in_sync
+        with tf.init_scope(), tf.device(self._host_device()):
+            # Read by the input pipeline once per global batch; zeros mean "even split".
+            self._allocation = tf.Variable(
+                tf.zeros([num_replicas], tf.int32),
+                trainable=False,
+                name="hetbatch_allocation",
+            )
+        self._batch_sizes: Optional[Tuple[int, ...]] = None
+        self._data_global_batch: Optional[int] = None
+        self._timing = timing.TimingAccumulators(self, self._num_local_replicas())
+
+    # ----------------------------------------------------------------- the split ---------------
+    @property
+    def batch_sizes(self) -> Optional[Tuple[int, ...]]:
+        """The current per-replica batch sizes, in replica order.
+
+        Until `set_batch_sizes` is called, the even split of the data's global batch size
+        (the first `B % K` replicas get one sample more), or None while that size is unknown.
+        A partial last batch is split in proportion to these sizes.
+        """
+        if self._batch_sizes is not None:
+            return self._batch_sizes
+        if self._data_global_batch is not None:
+            return split.split_evenly(self._data_global_batch, self.num_replicas_in_sync)
+        return None
+
+    @property
+    def global_batch_size(self) -> Optional[int]:
+        """The global batch size: sum of the sizes set, else the data's (None while unknown)."""
+        if self._batch_sizes is not None:
+            return sum(self._batch_sizes)
+        return self._data_global_batch
+
+    def set_batch_sizes(self, sizes: Sequence[int]) -> None:
+        """Sets the per-replica batch sizes: how each global batch is split from now on.
+
+        Callable at any time, also during `fit` (e.g. from a callback). No retrace, no restart:
+        the input pipeline reads the sizes once per global batch, so the change reaches the
+        replicas with the global batches produced after the call, typically 2 to 4 steps later
+        (the distributed iterator prefetches). Gradient weights and timing always follow the
+        actual batch shapes of each step, so that lag never costs exactness.
+
+        Args:
+            sizes: one non-negative int per replica, in replica order, summing to the global
+                batch size of the data (checked now if the data is known, else when it arrives).
+
+        Raises:
+            ValueError: wrong length, negative or non-integer sizes, or a sum other than the
+                data's global batch size.
+        """
+        sizes = split.validate_sizes(
+            sizes, self.num_replicas_in_sync, self._data_global_batch
+        )
+        self._apply_batch_sizes(sizes)
+
+    def _apply_batch_sizes(self, sizes):
+        self._allocation.assign(sizes)
+        self._batch_sizes = tuple(sizes)
+        logger.debug("batch sizes set to %s", self._batch_sizes)
+
+    # ----------------------------------------------------------------- timing ------------------
+    def read_replica_times(self, reset: bool = False) -> timing.ReplicaTimes:
+        """Per-replica compute time, samples and steps accumulated by training steps.
+
+        Compute time runs from a replica's step start (inputs ready) to its local gradients
+        being ready, before the all-reduce. Read between steps (e.g. from a callback).
+
+        Args:
+            reset: if True, subtract what was read, so the next read covers only later steps.
+
+        Returns:
+            `ReplicaTimes` over all replicas in sync, in replica order.
+        """
+        local = self._timing.read_local()
+        if reset:
+            self._timing.subtract_local(local)
+        return self._gather_times(local)
+
+    # ----------------------------------------------------------------- input -------------------
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Distributes a dataset of GLOBAL batches, splitting each by `batch_sizes`.
+
+        Args:
+            dataset: a `tf.data.Dataset` batched by the global batch size.
+            options: `tf.distribute.InputOptions`, as for the stock strategy.
+
+        Returns:
+            A distributed dataset; replica k receives slice k of each global batch.
+
+        Raises:
+            ValueError: already distributed data, unbatched data, or a batch size that does not
+                match the batch sizes set.
+            TypeError: anything but a `tf.data.Dataset`.
+        """
+        self._check_dataset(dataset)
+        num_replicas = self.num_replicas_in_sync
+        replica_range = self._replica_range()
+
+        def dataset_fn(input_context):
+            del input_context  # every worker reads every global batch; see _replica_range
+            return input_split.split_global_batches(
+                dataset, self._allocation, num_replicas, replica_range
+            )
+
+        return self.distribute_datasets_from_function(dataset_fn, options)
+
+    def _check_dataset(self, dataset):
+        if isinstance(dataset, tf.distribute.DistributedDataset):
+            raise ValueError(
+                "`dataset` is already distributed. A tf_hetbatch strategy splits global batches "
+                f"itself. Received: {type(dataset).__name__}. Fix: pass the tf.data.Dataset of "
+                "global batches, before any experimental_distribute_dataset()."
+            )
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(
+                "`dataset` must be a tf.data.Dataset of global batches. Received: "
+                f"{type(dataset).__name__}. Fix: build one with tf.data, or pass numpy arrays "
+                "with batch_size= to model.fit."
+            )
+        specs = tf.nest.flatten(dataset.element_spec)
+        ranks = [getattr(getattr(s, "shape", None), "rank", None) for s in specs]
+        if any(rank == 0 for rank in ranks):
+            raise ValueError(
+                "`dataset` must be batched: every component needs a leading batch dimension. "
+                f"Received: element_spec={dataset.element_spec}. Fix: "
+                "dataset.batch(global_batch_size)."
+            )
+        batch = _compat.static_batch_size(dataset)
+        if batch is not None:
+            if self._batch_sizes is not None and sum(self._batch_sizes) != batch:
+                raise ValueError(
+                    f"`batch_sizes` must sum to the dataset's global batch size {batch}. "
+                    f"Received: batch_sizes={list(self._batch_sizes)} "
+                    f"(sum {sum(self._batch_sizes)}). Fix: batch the dataset with "
+                    f"{sum(self._batch_sizes)}, or call set_batch_sizes() with sizes summing "
+                    f"to {batch}."
+                )
+            self._data_global_batch = batch
+
+    # ----------------------------------------------------------------- the step ----------------
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """As `tf.distribute.Strategy.run`; Keras train/test steps get weights and global logs.
+
+        For a Keras model's `train_step`, each replica's loss is weighted so the update equals
+        one device on the whole global batch (see `tf_hetbatch.weighting`), and the replica's
+        compute time is recorded. For `train_step` and `test_step`, the returned metric values
+        are the true global running means (the stock strategy averages the replicas' local
+        means, which is biased under uneven batches). Any other `fn` runs unchanged: custom
+        loops get exact gradients by scaling the loss with the global batch size, e.g.
+        `tf.nn.compute_average_loss(per_example_loss, global_batch_size=B)`.
+        """
+        model, kind = _compat.keras_model_of_step(fn)
+        if model is None:
+            return super().run(fn, args=args, kwargs=kwargs, options=options)
+        _compat.check_steps_per_execution(model)
+        training = kind == "train_step"
+        data = args[0] if args else None
+        weights = None
+        if training:
+            weighting.adapt_optimizer(model.optimizer)
+            weights = self._replica_weights(data, weighting.weighting_mode(model))
+        check_nonempty = training and _has_local_batch_norm(model)
+        accumulators = self._timing if training else None
+
+        def replica_fn(weight, *replica_args, **replica_kwargs):
+            replica_args, start_time, samples = _timed_inputs(replica_args, check_nonempty)
+            step = weighting.ReplicaStep(
+                weight=weight, start_time=start_time, samples=samples, timing=accumulators
+            )
+            with weighting.replica_step(step):
+                outputs = fn(*replica_args, **replica_kwargs)
+            if step.gradients_applied and not step.loss_scaled:
+                raise ValueError(
+                    f"{type(model).__name__}.train_step applied gradients without calling "
+                    "`self.optimizer.scale_loss(loss)`, so its replicas' gradients cannot be "
+                    "weighted by their batch sizes and training would silently differ from one "
+                    "device on the global batch. Fix: in train_step, compute gradients of "
+                    "`loss = self.optimizer.scale_loss(loss)` (as keras.Model.train_step does)."
+                )
+            return outputs
+
+        outputs = super().run(
+            replica_fn, args=(weights,) + tuple(args), kwargs=kwargs, options=options
+        )
+        return self._global_logs(model, outputs)
+
+    def _replica_weights(self, data, mode):
+        """PerReplica scalar loss weights K * lambda_k, or None when no weighting is needed."""
+        if mode == weighting.NONE or not _all_distributed(data):
+            return None
+        local = self.experimental_local_results(data)
+        if mode == weighting.SAMPLE_WEIGHT:
+            amounts = [_sample_weight_total(d) for d in local]
+        else:
+            amounts = [
+                tf.cast(input_split.batch_dim(keras.utils.unpack_x_y_sample_weight(d)[0]), tf.float32)
+                for d in local
+            ]
+        total = self._global_total(tf.add_n(amounts))
+        scale = float(self.num_replicas_in_sync)
+        weights = [tf.math.divide_no_nan(scale * a, total) for a in amounts]
+        offset = self._first_local_replica()
+        return self.experimental_distribute_values_from_function(
+            lambda ctx: weights[ctx.replica_id_in_sync_group - offset]
+        )
+
+    def _global_logs(self, model, outputs):
+        """Replaces per-replica metric values by the global running means."""
+        if not isinstance(outputs, dict):
+            return outputs
+        local_values = [
+            t
+            for v in tf.nest.flatten(outputs)
+            for t in (self.experimental_local_results(v) if _is_distributed(v) else [v])
+            if isinstance(t, tf.Tensor)
+        ]
+        with tf.control_dependencies(local_values):
+            results = model.get_metrics_result()
+        merged = dict(outputs)
+        for name, value in results.items():
+            if name in merged:
+                merged[name] = tf.convert_to_tensor(value)
+        return merged
+
+    def reduce(self, reduce_op, value, axis):
+        """As `tf.distribute.Strategy.reduce`; see `_compat.is_uneven_batch_reduce`."""
+        if axis is None and tf.nest.flatten(value) and any(
+            _compat.is_uneven_batch_reduce(self, reduce_op, v, axis)
+            for v in tf.nest.flatten(value)
+        ):
+            return tf.nest.map_structure(
+                lambda v: _compat.largest_local_batch(self, v)
+                if _compat.is_uneven_batch_reduce(self, reduce_op, v, axis)
+                else super(HeteroMixin, self).reduce(reduce_op, v, axis),
+                value,
+            )
+        return super().reduce(reduce_op, value, axis)
+
+    # ----------------------------------------------------------------- topology hooks ----------
+    def _host_device(self):
+        return "/cpu:0"
+
+    def _num_local_replicas(self):
+        return self.num_replicas_in_sync
+
+    def _first_local_replica(self):
+        return 0
+
+    def _replica_range(self):
+        return None
+
+    def _global_total(self, local_total):
+        return local_total
+
+    def _gather_times(self, local):
+        return local
+
+
+class HeteroMirroredStrategy(HeteroMixin, tf.distribute.MirroredStrategy):
+    """`tf.distribute.MirroredStrategy` with uneven per-replica batches and exact weighting.
+
+    A drop-in replacement: same constructor, same use. Batch the data by the GLOBAL batch size
+    B as usual; each global batch is split into per-replica batches `batch_sizes` (even until
+    `set_batch_sizes` is called, also when B does not divide by the replica count), and each
+    replica's gradient is weighted by b_k / B, so every update equals the one a single device
+    makes on the whole global batch: with SyncBatchNormalization, regularisers, any Keras
+    optimizer and LossScaleOptimizer. Per-batch logs and History hold true global means.
+
+    What changes relative to the stock strategy, and only under this strategy:
+    - the optimizer instance of a model trained under it gets instance-level `scale_loss` and
+      `apply` hooks (weights and timing; no-ops outside its steps);
+    - `steps_per_execution` must be 1 (keras-team/keras#19246 breaks it for the stock
+      strategy too);
+    - plain (unsynchronised) BatchNormalization computes local statistics, as with the stock
+      strategy, so it is not exact; and a replica may not get an empty batch with it.
+
+    Args:
+        devices: as for `tf.distribute.MirroredStrategy`.
+        cross_device_ops: as for `tf.distribute.MirroredStrategy`.
+
+    Example:
+        >>> import tf_hetbatch as hb
+        >>> strategy = hb.HeteroMirroredStrategy(["/cpu:0"])
+        >>> strategy.set_batch_sizes([32])
+        >>> strategy.batch_sizes
+        (32,)
+    """
+
+    def __init__(self, devices=None, cross_device_ops=None):
+        _compat.assign_collective_key_base(self)
+        super().__init__(devices=devices, cross_device_ops=cross_device_ops)
+        self._init_hetero()
+
+
+# --------------------------------------------------------------------- helpers ---------------
+def _is_distributed(value):
+    return isinstance(value, tf.distribute.DistributedValues)
+
+
+def _all_distributed(data):
+    flat = [t for t in tf.nest.flatten(data) if t is not None]
+    return bool(flat) and all(_is_distributed(t) for t in flat)
+
+
+def _sample_weight_total(data):
+    x, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    if sample_weight is None:
+        return tf.cast(input_split.batch_dim(x), tf.float32)
+    return tf.add_n(
+        [tf.reduce_sum(tf.cast(w, tf.float32)) for w in tf.nest.flatten(sample_weight)]
+    )
+
+
+def _has_local_batch_norm(model):
+    return any(
+        isinstance(layer, keras.layers.BatchNormalization)
+        and not getattr(layer, "synchronized", False)
+        for layer in _compat.all_layers(model)
+    )
+
+
+def _timed_inputs(replica_args, check_nonempty):
+    """Stamps the step start once the replica's inputs are ready; returns (args, t0, samples)."""
+    tensors = [
+        t for t in tf.nest.flatten(replica_args, expand_composites=True) if isinstance(t, tf.Tensor)
+    ]
+    if not tensors:
+        return replica_args, tf.timestamp(), tf.constant(0, tf.int64)
+    data = replica_args[0] if replica_args else None
+    samples = input_split.batch_dim(keras.utils.unpack_x_y_sample_weight(data)[0])
+    deps = list(tensors)
+    if check_nonempty:
+        deps.append(
+            tf.debugging.assert_positive(
+                samples,
+                message=(
+                    "A replica got an empty batch, and the model has plain "
+                    "BatchNormalization layers, whose statistics are NaN on an empty batch. "
+                    "Fix: use keras.layers.BatchNormalization(synchronized=True), give every "
+                    "replica at least 1 sample in set_batch_sizes(), or batch with "
+                    "drop_remainder=True so no short last batch leaves a replica empty."
+                ),
+            )
+        )
+    with tf.control_dependencies(deps):
+        start_time = tf.timestamp()
+    with tf.control_dependencies([start_time]):
+        replica_args = tf.nest.map_structure(
+            lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t,
+            replica_args,
+            expand_composites=True,
+        )
+    return replica_args, start_time, samples
