@@ -32,6 +32,8 @@ class HeteroMixin:
                 name="hetbatch_allocation",
             )
         self._batch_sizes: Optional[Tuple[int, ...]] = None
+        # Set once a model with plain BatchNormalization trains: no replica may get 0 samples.
+        self._needs_nonempty_replicas = False
         self._data_global_batch: Optional[int] = None
         self._timing = timing.TimingAccumulators(self, self._num_local_replicas())
 
@@ -77,6 +79,8 @@ class HeteroMixin:
         sizes = split.validate_sizes(
             sizes, self.num_replicas_in_sync, self._data_global_batch
         )
+        if self._needs_nonempty_replicas:
+            _check_nonempty_sizes(sizes)
         self._apply_batch_sizes(sizes)
 
     def _apply_batch_sizes(self, sizes):
@@ -152,6 +156,15 @@ class HeteroMixin:
                 "dataset.batch(global_batch_size)."
             )
         batch = _compat.static_batch_size(dataset)
+        leading = [
+            s.shape[0] for s in specs if getattr(getattr(s, "shape", None), "rank", None)
+        ]
+        if batch is None and None not in leading and len(set(leading)) > 1:
+            raise ValueError(
+                "`dataset` must be batched: its components' leading dimensions differ, so they "
+                f"cannot be a batch dimension. Received: element_spec={dataset.element_spec}. "
+                "Fix: dataset.batch(global_batch_size)."
+            )
         if batch is not None:
             if self._batch_sizes is not None and sum(self._batch_sizes) != batch:
                 raise ValueError(
@@ -186,6 +199,10 @@ class HeteroMixin:
             weighting.adapt_optimizer(model.optimizer)
             weights = self._replica_weights(data, weighting.weighting_mode(model))
         check_nonempty = training and _has_local_batch_norm(model)
+        if check_nonempty:
+            self._needs_nonempty_replicas = True
+            if self.batch_sizes is not None:
+                _check_nonempty_sizes(self.batch_sizes)
         accumulators = self._timing if training else None
 
         def replica_fn(weight, *replica_args, **replica_kwargs):
@@ -337,6 +354,21 @@ def _sample_weight_total(data):
     )
 
 
+_EMPTY_REPLICA_FIX = (
+    "Fix: use keras.layers.BatchNormalization(synchronized=True), give every replica at least "
+    "1 sample, or batch with drop_remainder=True so no short last batch leaves a replica empty."
+)
+
+
+def _check_nonempty_sizes(sizes):
+    if min(sizes) < 1:
+        raise ValueError(
+            "Every replica needs at least 1 sample: the model has plain BatchNormalization "
+            "layers, whose batch statistics are NaN on an empty batch. Received: "
+            f"batch_sizes={list(sizes)}. " + _EMPTY_REPLICA_FIX
+        )
+
+
 def _has_local_batch_norm(model):
     return any(
         isinstance(layer, keras.layers.BatchNormalization)
@@ -362,9 +394,7 @@ def _timed_inputs(replica_args, check_nonempty):
                 message=(
                     "A replica got an empty batch, and the model has plain "
                     "BatchNormalization layers, whose statistics are NaN on an empty batch. "
-                    "Fix: use keras.layers.BatchNormalization(synchronized=True), give every "
-                    "replica at least 1 sample in set_batch_sizes(), or batch with "
-                    "drop_remainder=True so no short last batch leaves a replica empty."
+                    + _EMPTY_REPLICA_FIX
                 ),
             )
         )

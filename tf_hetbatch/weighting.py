@@ -25,7 +25,8 @@ stock strategy gets with even batches, not exact.
 The hook is installed on ONE optimizer instance, the model's, when a tf_hetbatch strategy runs
 that model's train step; outside a tf_hetbatch replica step the adapted methods do exactly what
 the originals do. Installing it also wraps `apply`, to take the per-replica compute time when
-the local gradients are ready, before they are all-reduced.
+the local gradients are ready, before they are all-reduced, and, for a LossScaleOptimizer, to
+make all replicas agree on skipping an overflowed step (see `_compat.agree_on_finite_gradients`).
 """
 
 import contextlib
@@ -35,6 +36,8 @@ from typing import Any, Optional
 
 import keras
 import tensorflow as tf
+
+from tf_hetbatch import _compat
 
 _local = threading.local()
 
@@ -125,6 +128,8 @@ def adapt_optimizer(optimizer):
             step.gradients_applied = True
             if step.timing is not None:
                 grads = _timed_gradients(step, list(grads))
+            if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+                grads = _compat.agree_on_finite_gradients(list(grads))
         return original_apply(grads, trainable_variables)
 
     scale_loss.__doc__ = original_scale_loss.__doc__

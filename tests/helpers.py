@@ -1,0 +1,116 @@
+"""Shared model and data builders for the strategy tests (real Keras, real strategies)."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def regression_data(n=320, features=8, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    w = rng.normal(size=(features, 1)).astype("float32")
+    y = (x @ w + 0.1 * rng.normal(size=(n, 1))).astype("float32")
+    return x, y
+
+
+def image_data(n=160, seed=0, classes=4):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8, 8, 1)).astype("float32")
+    y = rng.integers(0, classes, size=(n,)).astype("int32")
+    return x, y
+
+
+def dense_model(optimizer=None, loss="mse", metrics=("mae",), seed=1, regularize=True):
+    keras.utils.set_random_seed(seed)
+    reg = keras.regularizers.L2(1e-2) if regularize else None
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="tanh", kernel_regularizer=reg),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(
+        optimizer=optimizer or keras.optimizers.SGD(0.05), loss=loss, metrics=list(metrics)
+    )
+    return model
+
+
+def conv_syncbn_model(seed=1, classes=4):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            # No bias before BatchNorm: its true gradient is 0, so Adam would amplify rounding noise.
+            keras.layers.Conv2D(4, 3, padding="same", use_bias=False),
+            keras.layers.BatchNormalization(synchronized=True),
+            keras.layers.ReLU(),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(classes),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def build_under(strategy, builder, **kwargs):
+    """Builds a model under `strategy` (None: no strategy); callable kwargs are factories."""
+
+    def build():
+        return builder(**{k: v() if callable(v) else v for k, v in kwargs.items()})
+
+    if strategy is None:
+        return build()
+    with strategy.scope():
+        return build()
+
+
+def max_weight_diff(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a.get_weights(), b.get_weights()))
+
+
+class BatchLogs(keras.callbacks.Callback):
+    """Records the per-batch logs that callbacks and the progress bar see."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches.append(dict(logs))
+
+
+class Sink:
+    """A plain holder (Keras would wrap a list attribute of a layer in a tracked copy)."""
+
+    def __init__(self):
+        self.items = []
+
+    def append(self, item):
+        self.items.append(item)
+
+
+class ShapeRecorder(keras.layers.Layer):
+    """Identity layer that records, inside the step, (replica id, batch size) in training."""
+
+    def __init__(self, sink, **kwargs):
+        super().__init__(**kwargs)
+        self._sink = sink
+
+    def call(self, inputs, training=None):
+        if not training:
+            return inputs
+        ctx = tf.distribute.get_replica_context()
+        replica = ctx.replica_id_in_sync_group if ctx is not None else 0
+
+        def record(rid, n):
+            self._sink.append((int(rid), int(n)))
+            return np.int32(0)
+
+        token = tf.py_function(record, [replica, tf.shape(inputs)[0]], tf.int32)
+        with tf.control_dependencies([token]):
+            return tf.identity(inputs)

@@ -1,0 +1,254 @@
+"""Tests for tf_hetbatch.controllers: invariants, convergence, robustness, state round trip."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tf_hetbatch.controllers import ControllerState, ModelBasedController, ProportionalController
+from tf_hetbatch.sim import ClusterModel, Slowdown, ideal_split, simulate
+from tf_hetbatch.split import round_preserving_sum
+
+CONTROLLERS = [ProportionalController, ModelBasedController]
+
+
+def _cluster(rng, k, affine, noise=0.0, **kwargs):
+    beta = rng.uniform(1e-3, 6e-3, k)
+    alpha = rng.uniform(0.05, 0.3, k) if affine else np.zeros(k)
+    return ClusterModel(alpha, beta, noise=noise, **kwargs)
+
+
+def _balanced_sizes(cluster, total):
+    x, _ = ideal_split(total, cluster.alpha, cluster.beta)
+    k = cluster.num_replicas
+    return round_preserving_sum(x, total, np.ones(k), np.full(k, total)).tolist()
+
+
+@pytest.mark.parametrize("cls", CONTROLLERS)
+def test_sizes_always_sum_to_global_batch_and_respect_bounds(cls):
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        k = int(rng.integers(1, 12))
+        total = int(rng.integers(4 * k, 500))
+        lo = rng.integers(0, 3, k)
+        hi = np.maximum(lo, rng.integers(total // k, total + 1, k))
+        ctrl = cls(min_sizes=lo.tolist(), max_sizes=hi.tolist())
+        state = ctrl.init(round_preserving_sum(np.full(k, total / k), total, lo, hi))
+        for _ in range(6):
+            sizes = rng.uniform(0, 2 * total / k, k)
+            times = rng.uniform(0, 1, k) * (rng.uniform(size=k) > 0.1)
+            new, state = ctrl.update(state, sizes, times)
+            assert all(type(s) is int for s in new)
+            assert sum(new) == total
+            assert np.all(np.array(new) >= lo) and np.all(np.array(new) <= state.max_sizes)
+            assert np.all(state.max_sizes <= hi)
+            assert isinstance(state.reason, str) and state.reason
+
+
+@pytest.mark.parametrize("cls", CONTROLLERS)
+@pytest.mark.parametrize("k", [3, 8, 32])
+def test_from_uniform_on_linear_times_reaches_balance_within_two_adjustments(cls, k):
+    cluster = _cluster(np.random.default_rng(k), k, affine=False)
+    result = simulate(cls(), cluster, steps=200, initial_sizes=[64] * k)
+    needed = result.adjustments_to_converge(tol=0.05)
+    assert needed is not None and needed <= 2
+
+
+@pytest.mark.parametrize("k", [3, 8, 32])
+def test_model_based_balances_affine_times_in_two_where_proportional_needs_more(k):
+    cluster = _cluster(np.random.default_rng(k), k, affine=True)
+    model = simulate(ModelBasedController(), cluster, steps=300, initial_sizes=[64] * k)
+    prop = simulate(ProportionalController(), cluster, steps=300, initial_sizes=[64] * k)
+    assert model.adjustments_to_converge(tol=0.05) <= 2
+    prop_needed = prop.adjustments_to_converge(tol=0.05)
+    assert prop_needed is None or prop_needed > 2
+    assert model.steady_ratio() <= prop.steady_ratio() + 1e-9
+
+
+@pytest.mark.parametrize("cls", CONTROLLERS)
+@pytest.mark.parametrize("k", [4, 16, 64])
+def test_no_oscillation_at_equilibrium_under_ten_percent_noise(cls, k):
+    rng = np.random.default_rng(k)
+    cluster = _cluster(rng, k, affine=cls is ModelBasedController, noise=0.1)
+    start = _balanced_sizes(cluster, 64 * k)
+    result = simulate(cls(), cluster, steps=1000, adjust_every=10, initial_sizes=start, seed=k)
+    assert result.adjustments <= 1
+    assert result.steady_ratio() < 1.05
+
+
+def _equilibrium(ctrl, cluster, total, updates=6):
+    state = ctrl.init(_balanced_sizes(cluster, total))
+    for _ in range(updates):
+        sizes = np.array(state.sizes, float)
+        new, state = ctrl.update(state, sizes, cluster.alpha + cluster.beta * sizes)
+    return state
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_single_ten_times_outlier_moves_nothing(affine):
+    rng = np.random.default_rng(0)
+    for k in (2, 5, 17):
+        cluster = _cluster(rng, k, affine=affine)
+        ctrl = ModelBasedController()
+        state = _equilibrium(ctrl, cluster, 32 * k)
+        before = state.sizes.tolist()
+        for victim in range(k):
+            sizes = np.array(before, float)
+            times = cluster.alpha + cluster.beta * sizes
+            spiked = times.copy()
+            spiked[victim] *= 10.0
+            new, after = ctrl.update(state, sizes, spiked)
+            assert list(new) == before, after.reason
+            assert "outlier" in after.reason
+            for _ in range(3):  # normal windows after it move nothing either
+                new, after = ctrl.update(after, sizes, times)
+                assert list(new) == before
+
+
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("k", [3, 8, 64])
+def test_two_times_slowdown_mid_run_is_rebalanced_within_three_adjustments(affine, k):
+    rng = np.random.default_rng(k)
+    base = _cluster(rng, k, affine=affine)
+    victim = int(rng.integers(k))
+    cluster = ClusterModel(base.alpha, base.beta, slowdowns=(Slowdown(victim, 400, None, 2.0),))
+    result = simulate(ModelBasedController(), cluster, steps=800, initial_sizes=[64] * k)
+    needed = result.adjustments_to_converge(tol=0.05, after=400)
+    assert needed is not None and 1 <= needed <= 3
+    assert result.steady_ratio() < 1.05
+
+
+@pytest.mark.parametrize("cls", CONTROLLERS)
+def test_state_round_trip_through_json_gives_identical_decisions(cls):
+    rng = np.random.default_rng(0)
+    k = 6
+    cluster = _cluster(rng, k, affine=True)
+    ctrl = cls()
+    state = ctrl.init([40] * k)
+    for _ in range(3):
+        sizes = np.array(state.sizes, float)
+        _, state = ctrl.update(state, sizes, (cluster.alpha + cluster.beta * sizes)
+                               * rng.uniform(0.9, 1.1, k))
+    restored = cls.state_from_dict(json.loads(json.dumps(state.to_dict(), allow_nan=False)))
+    assert isinstance(restored, ControllerState)
+    assert restored.to_dict() == state.to_dict()
+    for _ in range(5):
+        sizes = rng.uniform(10, 70, k)
+        times = rng.uniform(0.1, 1.0, k)
+        a, state = ctrl.update(state, sizes, times)
+        b, restored = ctrl.update(restored, sizes, times)
+        assert a == b
+        assert restored.to_dict() == state.to_dict()
+
+
+@pytest.mark.parametrize("cls, kwargs", [
+    (ProportionalController, dict(min_sizes=[1, 2, 3], max_sizes=50, smoothing=0.3,
+                                  dead_band=0.1, max_drop=None)),
+    (ModelBasedController, dict(min_sizes=2, max_sizes=[40, 50, 60], forgetting=0.5,
+                                dead_band=0.02, outlier_threshold=0.5, confirm_updates=3,
+                                min_spread=0.1, max_drop=0.2)),
+])
+def test_get_config_round_trip(cls, kwargs):
+    ctrl = cls(**kwargs)
+    config = ctrl.get_config()
+    assert json.loads(json.dumps(config)) == config
+    clone = cls.from_config(config)
+    assert clone.get_config() == config
+    sa, sb = ctrl.init([30, 30, 30]), clone.init([30, 30, 30])
+    assert ctrl.update(sa, [30, 30, 30], [0.1, 0.2, 0.4])[0] == \
+        clone.update(sb, [30, 30, 30], [0.1, 0.2, 0.4])[0]
+
+
+def test_unknown_keyword_arguments_are_rejected():
+    with pytest.raises(TypeError):
+        ProportionalController(smothing=0.5)
+    with pytest.raises(TypeError):
+        ModelBasedController.from_config({"forgeting": 0.5})
+
+
+@pytest.mark.parametrize("cls", CONTROLLERS)
+def test_throughput_drop_after_growth_lowers_b_max_to_previous_size(cls):
+    ctrl = cls(smoothing=0.0) if cls is ProportionalController else cls()
+    state = ctrl.init([50, 50])
+    new, state = ctrl.update(state, [50, 50], [0.5, 1.0])   # replica 0 is twice as fast
+    assert new[0] > 50
+    # Replica 0 grew, and its throughput collapsed (e.g. it ran out of memory bandwidth).
+    new, state = ctrl.update(state, list(map(float, new)), [new[0] / 50.0, new[1] / 50.0])
+    assert state.max_sizes[0] == 50
+    assert new[0] <= 50 and sum(new) == 100
+    assert "b_max[0] lowered to 50" in state.reason
+
+
+def test_unidentified_slope_falls_back_to_proportional_split():
+    ctrl = ModelBasedController()
+    state = ctrl.init([30, 30, 30])
+    new, state = ctrl.update(state, [30, 30, 30], [0.1, 0.2, 0.4])
+    proportional = ProportionalController().update(
+        ProportionalController().init([30, 30, 30]), [30, 30, 30], [0.1, 0.2, 0.4])[0]
+    assert np.all(np.abs(np.array(new) - proportional) <= 1) and sum(new) == 90
+    _, _, has_slope = ctrl.fit(state)
+    assert not has_slope.any()
+
+
+def test_affine_model_is_recovered_exactly_from_two_distinct_sizes():
+    alpha, beta = np.array([0.2, 0.05, 0.1]), np.array([0.001, 0.004, 0.002])
+    ctrl = ModelBasedController()
+    state = ctrl.init([100, 100, 100])
+    for _ in range(2):
+        sizes = np.array(state.sizes, float)
+        _, state = ctrl.update(state, sizes, alpha + beta * sizes)
+    fitted_alpha, fitted_beta, has_slope = ctrl.fit(state)
+    assert has_slope.all()
+    np.testing.assert_allclose(fitted_alpha, alpha, rtol=1e-6)
+    np.testing.assert_allclose(fitted_beta, beta, rtol=1e-6)
+
+
+@pytest.mark.parametrize("cls", CONTROLLERS)
+def test_same_inputs_give_same_sizes_on_every_worker(cls):
+    rng = np.random.default_rng(0)
+    workers = [cls() for _ in range(3)]
+    states = [w.init([20] * 5) for w in workers]
+    for _ in range(5):
+        sizes, times = rng.uniform(5, 40, 5), rng.uniform(0.1, 1, 5)
+        results = [w.update(s, sizes, times) for w, s in zip(workers, states)]
+        assert len({r[0] for r in results}) == 1
+        states = [r[1] for r in results]
+
+
+@pytest.mark.parametrize("cls", CONTROLLERS)
+def test_remove_replicas_resplits_the_global_batch_over_survivors(cls):
+    ctrl = cls(max_sizes=60)
+    state = ctrl.init([30, 30, 30, 30])
+    sizes, state = ctrl.remove_replicas(state, np.array([True, False, True, True]))
+    assert sum(sizes) == 120 and len(sizes) == 3 and max(sizes) <= 60
+    assert all(v.shape[0] == 3 for v in state.stats.values())
+    with pytest.raises(ValueError, match="max_sizes"):
+        ctrl.remove_replicas(state, np.array([True, False, False]))
+
+
+@pytest.mark.parametrize("cls", CONTROLLERS)
+@pytest.mark.parametrize("sizes, times, fragment", [
+    ([1, 2], [1, 1, 1], "`sizes`"),
+    ([1, 2, 3], [1, float("nan"), 1], "`times`"),
+    ([1, 2, 3], [1, -1, 1], "`times`"),
+])
+def test_bad_measurements_are_rejected_with_the_value(cls, sizes, times, fragment):
+    ctrl = cls()
+    state = ctrl.init([10, 10, 10])
+    with pytest.raises(ValueError) as err:
+        ctrl.update(state, sizes, times)
+    assert fragment in str(err.value) and "Received" in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs", [dict(dead_band=1.5), dict(dead_band=-0.1),
+                                    dict(max_drop="x"), dict(min_sizes=-1)])
+def test_bad_configuration_is_rejected(kwargs):
+    with pytest.raises(ValueError, match="Received"):
+        ProportionalController(**kwargs).init([10, 10])
+
+
+def test_init_rejects_infeasible_bounds_and_fixes_out_of_bounds_start():
+    with pytest.raises(ValueError, match="max_sizes"):
+        ModelBasedController(max_sizes=10).init([20, 20, 20])
+    state = ModelBasedController(max_sizes=30).init([50, 10])
+    assert state.sizes.tolist() == [30, 30] and state.global_batch == 60

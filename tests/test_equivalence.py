@@ -1,0 +1,165 @@
+"""Exactness: an uneven split trains exactly like one device on the whole global batch."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_hetbatch as hb
+from helpers import (
+    BatchLogs,
+    build_under,
+    conv_syncbn_model,
+    dense_model,
+    image_data,
+    max_weight_diff,
+    regression_data,
+)
+
+TOL = 1e-5
+SPLIT = [3, 7, 22]
+
+
+def _fit_pair(builder, x, y, split, cpus, batch=32, epochs=1, fit_kwargs=None, **build_kwargs):
+    """Trains a reference on one device and ours on len(split) replicas from the same start.
+
+    Callable build_kwargs values are factories, called once per model (optimizers, losses).
+    """
+    fit_kwargs = dict(fit_kwargs or {})
+    ref = build_under(None, builder, **build_kwargs)
+    ref_logs = BatchLogs()
+    ref_hist = ref.fit(
+        x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
+        callbacks=[ref_logs], **fit_kwargs,
+    )
+    strategy = hb.HeteroMirroredStrategy(cpus[: len(split)] if split else cpus[:3])
+    if split:
+        strategy.set_batch_sizes(split)
+    ours = build_under(strategy, builder, **build_kwargs)
+    logs = BatchLogs()
+    hist = ours.fit(
+        x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
+        callbacks=[logs], **fit_kwargs,
+    )
+    return ref, ours, ref_hist, hist, ref_logs, logs, strategy
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        lambda: keras.optimizers.SGD(0.05),
+        lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+        lambda: keras.optimizers.Adam(1e-2),
+        lambda: keras.optimizers.RMSprop(1e-2),
+        lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)),
+    ],
+    ids=["sgd", "nesterov", "adam", "rmsprop", "loss_scale"],
+)
+def test_dense_uneven_split_matches_one_device(cpus, optimizer):
+    x, y = regression_data()
+    ref, ours, ref_hist, hist, ref_logs, logs, strategy = _fit_pair(
+        dense_model, x, y, SPLIT, cpus, optimizer=optimizer
+    )
+    assert len(logs.batches) == 10
+    assert max_weight_diff(ref, ours) <= TOL
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    # Per-batch logs (what callbacks and the progress bar see) are the true global means.
+    for mine, theirs in zip(logs.batches, ref_logs.batches):
+        for key in ("loss", "mae"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
+    times = strategy.read_replica_times()
+    np.testing.assert_array_equal(times.samples_per_step, SPLIT)
+
+
+def test_conv_syncbn_adam_uneven_split_matches_one_device(cpus):
+    x, y = image_data()
+    ref, ours, ref_hist, hist, ref_logs, logs, _ = _fit_pair(
+        conv_syncbn_model, x, y, SPLIT, cpus, epochs=2
+    )
+    assert len(logs.batches) == 10
+    assert max_weight_diff(ref, ours) <= TOL
+    np.testing.assert_allclose(hist.history["accuracy"], ref_hist.history["accuracy"], rtol=1e-6)
+    for mine, theirs in zip(logs.batches, ref_logs.batches):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert mine["accuracy"] == pytest.approx(theirs["accuracy"], rel=1e-6)
+
+
+def test_even_split_with_global_batch_not_divisible_by_replicas(cpus):
+    # B=32 over 3 replicas: 11/11/10, where the stock strategy crashes (see test_compat).
+    x, y = regression_data()
+    ref, ours, *_ , strategy = _fit_pair(dense_model, x, y, None, cpus)
+    assert max_weight_diff(ref, ours) <= TOL
+    assert strategy.batch_sizes == (11, 11, 10)
+
+
+def test_partial_last_batch_is_split_in_proportion(cpus):
+    # 300 samples at B=32: the last global batch has 12 samples.
+    x, y = regression_data(n=300)
+    ref, ours, ref_hist, hist, *_ , strategy = _fit_pair(dense_model, x, y, [4, 8, 20], cpus)
+    assert max_weight_diff(ref, ours) <= TOL
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    times = strategy.read_replica_times()
+    np.testing.assert_array_equal(times.samples, np.array([4, 8, 20]) * 9 + [2, 3, 7])
+
+
+@pytest.mark.parametrize("reduction", ["sum", "sum_over_batch_size", "mean_with_sample_weight"])
+def test_loss_reductions_and_sample_weights(cpus, reduction):
+    x, y = regression_data()
+    sample_weight = np.random.default_rng(3).uniform(0.1, 2.0, size=len(x)).astype("float32")
+    ref, ours, *_ = _fit_pair(
+        dense_model, x, y, SPLIT, cpus,
+        loss=lambda: keras.losses.MeanSquaredError(reduction=reduction),
+        optimizer=lambda: keras.optimizers.SGD(0.002 if reduction == "sum" else 0.05),
+        fit_kwargs={"sample_weight": sample_weight},
+    )
+    assert max_weight_diff(ref, ours) <= TOL
+
+
+def test_mixed_precision_loss_scaling(cpus):
+    # A loss scale low enough that neither run overflows, so both take the same steps.
+    x, y = regression_data()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        ref, ours, *_ = _fit_pair(
+            dense_model, x, y, SPLIT, cpus,
+            optimizer=lambda: keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(0.05), initial_scale=64.0
+            ),
+        )
+        assert ours.optimizer.dynamic_scale.numpy() == ref.optimizer.dynamic_scale.numpy()
+        assert max_weight_diff(ref, ours) <= 1e-3  # float16 compute: rounding, not weighting
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_stock_averaging_of_uneven_batches_differs(cpus):
+    """Negative control: the stock aggregation (mean of per-replica means) is not exact."""
+    x, y = regression_data()
+    ref = dense_model()
+    ref.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+
+    stock = tf.distribute.MirroredStrategy(cpus[:3])
+    with stock.scope():
+        model = dense_model()
+    offsets = np.cumsum([0] + SPLIT)
+
+    @tf.function
+    def step(xb, yb):
+        def replica_fn(xr, yr):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xr, training=True) - yr)) / 3.0
+                loss += tf.add_n(model.losses) / 3.0
+            grads = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply(grads, model.trainable_variables)
+
+        per_replica = stock.experimental_distribute_values_from_function(
+            lambda ctx: (
+                xb[offsets[ctx.replica_id_in_sync_group] : offsets[ctx.replica_id_in_sync_group + 1]],
+                yb[offsets[ctx.replica_id_in_sync_group] : offsets[ctx.replica_id_in_sync_group + 1]],
+            )
+        )
+        stock.run(replica_fn, args=per_replica)
+
+    for i in range(0, len(x), 32):
+        step(tf.constant(x[i : i + 32]), tf.constant(y[i : i + 32]))
+    assert max_weight_diff(ref, model) > 100 * TOL

@@ -1,0 +1,95 @@
+"""Tests for tf_hetbatch.sim: the simulator's bookkeeping and its ideal references."""
+
+import numpy as np
+import pytest
+
+from tf_hetbatch.controllers import ModelBasedController, ProportionalController
+from tf_hetbatch.sim import ClusterModel, Slowdown, ideal_split, simulate
+
+
+def _random_cluster(rng, k, **kwargs):
+    return ClusterModel(rng.uniform(0, 0.1, k), rng.uniform(1e-4, 1e-3, k), **kwargs)
+
+
+def test_fixed_split_step_time_is_slowest_replica_plus_allreduce():
+    cluster = ClusterModel([0.0, 0.1], [0.01, 0.02], allreduce=0.05)
+    result = simulate(None, cluster, steps=5, initial_sizes=[10, 20])
+    np.testing.assert_allclose(result.step_times, max(0.1, 0.1 + 0.4) + 0.05)
+    assert result.adjustments == 0 and result.sizes.tolist() == [[10, 20]] * 5
+
+
+@pytest.mark.parametrize("controller", [None, ProportionalController(), ModelBasedController()])
+def test_sizes_sum_to_global_batch_and_no_split_beats_the_ideal(controller):
+    rng = np.random.default_rng(0)
+    cluster = _random_cluster(rng, 12, noise=0.1, allreduce=0.01,
+                              slowdowns=(Slowdown(3, 50, 120, 3.0),), losses={7: 150})
+    result = simulate(controller, cluster, steps=300, global_batch=600, seed=1)
+    assert np.all(result.sizes.sum(axis=1) == 600)
+    assert np.all(result.sizes[150:, 7] == 0) and np.all(result.sizes[:150, 7] > 0)
+    assert np.all(result.model_step_times >= result.ideal_step_times - 1e-12)
+    assert np.all(result.flow_step_times <= result.ideal_step_times + 1e-12)
+
+
+def test_ideal_split_equalises_finish_times_of_busy_replicas():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        k = int(rng.integers(1, 30))
+        alpha, beta = rng.uniform(0, 0.2, k), rng.uniform(1e-3, 1e-2, k)
+        x, t = ideal_split(100.0, alpha, beta)
+        assert x.sum() == pytest.approx(100.0) and np.all(x >= 0)
+        finish = alpha + beta * x
+        busy = x > 1e-9
+        level = finish[busy].max()
+        np.testing.assert_allclose(finish[busy], level, rtol=1e-9)
+        assert np.all(alpha[~busy] >= level - 1e-9)   # idle replicas would only be later
+        assert t == pytest.approx(max(level, alpha.max()))  # everyone pays its fixed cost
+
+
+def test_same_seed_gives_the_same_run_and_another_seed_differs():
+    cluster = _random_cluster(np.random.default_rng(0), 8, noise=0.1)
+    a = simulate(ModelBasedController(), cluster, 200, global_batch=256, seed=3)
+    b = simulate(ModelBasedController(), cluster, 200, global_batch=256, seed=3)
+    c = simulate(ModelBasedController(), cluster, 200, global_batch=256, seed=4)
+    np.testing.assert_array_equal(a.step_times, b.step_times)
+    np.testing.assert_array_equal(a.sizes, b.sizes)
+    assert not np.array_equal(a.step_times, c.step_times)
+
+
+def test_controller_sees_window_means_and_changes_apply_from_the_next_step():
+    cluster = ClusterModel([0.0, 0.0], [0.001, 0.003])
+    result = simulate(ProportionalController(), cluster, 30, adjust_every=10,
+                      initial_sizes=[50, 50])
+    assert result.adjust_steps == [10]
+    assert result.sizes[9].tolist() == [50, 50] and result.sizes[10].tolist() == [75, 25]
+    assert len(result.reasons) == 3
+
+
+def test_thousand_replicas_for_a_thousand_steps_completes():
+    rng = np.random.default_rng(0)
+    k = 1024
+    cluster = _random_cluster(rng, k, noise=0.1, allreduce=0.02,
+                              slowdowns=(Slowdown(5, 300, 600, 2.0),), losses={9: 700})
+    result = simulate(ModelBasedController(), cluster, 1000, global_batch=64 * k, seed=0)
+    assert result.step_times.shape == (1000,) and result.sizes.shape == (1000, k)
+    assert np.all(result.sizes.sum(axis=1) == 64 * k)
+    assert result.steady_ratio() < 1.1
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(alpha=[0.0], beta=[0.0]), "beta"),
+    (dict(alpha=[-1.0], beta=[1.0]), "alpha"),
+    (dict(alpha=[0.0, 0.0], beta=[1.0]), "alpha"),
+    (dict(alpha=[0.0], beta=[1.0], noise=1.5), "noise"),
+    (dict(alpha=[0.0], beta=[1.0], slowdowns=(Slowdown(3, 0),)), "replica"),
+    (dict(alpha=[0.0], beta=[1.0], losses={0: 5}), "alive"),
+])
+def test_bad_cluster_models_are_rejected(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        ClusterModel(**kwargs)
+
+
+def test_simulate_needs_a_starting_split():
+    with pytest.raises(ValueError, match="global_batch"):
+        simulate(None, ClusterModel([0.0], [1.0]), steps=3)
+    with pytest.raises(ValueError, match="factor"):
+        Slowdown(0, 0, None, factor=0.0)

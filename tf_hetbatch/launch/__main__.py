@@ -1,0 +1,78 @@
+"""Command line: ``python -m tf_hetbatch.launch --workers 2 [options] script.py [args...]``.
+
+Also installed as ``tf-hetbatch-launch``. Examples::
+
+    tf-hetbatch-launch --workers 2 train.py --epochs 3
+    tf-hetbatch-launch --workers 3 --cpus 0.2,0.3,0.9 --threads 1 train.py
+    tf-hetbatch-launch --workers 2 --cpus 0.8,0.8 --schedule "30:1=0.2;60:1=0.8" train.py
+    tf-hetbatch-launch --workers 2 --max-restarts 3 --timeout 600 train.py
+
+Exit status: 0 only if all workers exit 0; otherwise the failed worker's code (128+signal
+if it died by a signal), 124 on --timeout, 130/143 when interrupted; 2 for bad arguments.
+"""
+
+import argparse
+import logging
+import sys
+from typing import List, Optional
+
+from tf_hetbatch.launch import launch
+from tf_hetbatch.launch.cpu_caps import CAP_METHODS
+from tf_hetbatch.launch.schedule import parse_cpus, parse_schedule
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Returns the argument parser of the launcher."""
+    p = argparse.ArgumentParser(
+        prog="tf-hetbatch-launch",
+        description="Run a training script as N TF_CONFIG worker processes on 127.0.0.1, "
+                    "optionally with CPU caps per worker.",
+        epilog="Everything after the script path is passed to the script.")
+    p.add_argument("--workers", type=int, required=True, metavar="N",
+                   help="number of worker processes")
+    p.add_argument("--cpus", metavar="C0,C1,...",
+                   help="CPU cap per worker, e.g. 0.2,0.3,0.9 ('none' = uncapped)")
+    p.add_argument("--schedule", metavar="T:W=C;...",
+                   help="cap changes mid-run, seconds since start: worker=cap, e.g. "
+                        "'30:1=0.1;60:1=0.3,0=none'")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart the whole cluster up to N times after a failure (default 0)")
+    p.add_argument("--cap-method", choices=CAP_METHODS, default="auto",
+                   help="how caps are enforced (default auto: cgroup v1, v2, duty cycle)")
+    p.add_argument("--period-ms", type=float, default=None, metavar="MS",
+                   help="cap period (default 10 for cgroups, 100 for the duty cycle)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop everything after this many seconds (exit 124)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="set TF_NUM_INTEROP_THREADS, TF_NUM_INTRAOP_THREADS, OMP_NUM_THREADS")
+    p.add_argument("--grace", type=float, default=3.0, metavar="SECONDS",
+                   help="seconds between SIGTERM and SIGKILL when stopping (default 3)")
+    p.add_argument("-q", "--quiet", action="store_true", help="only warnings from the launcher")
+    p.add_argument("script", help="training script (.py, or any executable)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point; returns the exit status (see the module docstring)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="[launch] %(message)s", stream=sys.stderr)
+    try:
+        if args.workers < 1:
+            raise ValueError(f"--workers must be >= 1. Received: --workers {args.workers}")
+        cpus = parse_cpus(args.cpus, args.workers) if args.cpus is not None else None
+        schedule = parse_schedule(args.schedule) if args.schedule is not None else None
+        result = launch([args.script, *args.script_args], args.workers, cpus=cpus,
+                        schedule=schedule, max_restarts=args.max_restarts,
+                        cap_method=args.cap_method, period_ms=args.period_ms,
+                        timeout=args.timeout, threads=args.threads, grace=args.grace)
+    except (ValueError, RuntimeError) as e:
+        parser.error(str(e))  # Exits with status 2.
+    print(f"[launch] {result.message}", file=sys.stderr, flush=True)
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

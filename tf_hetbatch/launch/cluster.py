@@ -1,0 +1,138 @@
+"""Cluster description for a local launch: free ports, TF_CONFIG, worker commands and env.
+
+The training script sees exactly what a cluster tool (Kubernetes operator, Slurm script,
+managed service) would give it: a ``TF_CONFIG`` environment variable of the form
+``{"cluster": {"worker": ["127.0.0.1:p0", ...]}, "task": {"type": "worker", "index": i}}``.
+
+Pure Python stdlib: no TensorFlow.
+"""
+
+import json
+import os
+import socket
+import sys
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set
+
+HOST = "127.0.0.1"
+RESTART_ENV = "TF_HETBATCH_RESTART"
+THREAD_ENVS = ("TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS", "OMP_NUM_THREADS")
+
+
+class PortReservation:
+    """Holds ``n`` distinct free TCP ports on 127.0.0.1 until :meth:`release`.
+
+    The sockets stay bound (not listening) so that no other process of ours picks the same
+    port; release them just before the workers start so that the workers can bind them.
+
+    Args:
+        n: number of ports, >= 1.
+    """
+
+    def __init__(self, n: int):
+        self._sockets: List[socket.socket] = []
+        try:
+            for _ in range(n):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                self._sockets.append(sock)
+                sock.bind((HOST, 0))
+        except OSError:
+            self.release()
+            raise
+        self.ports: List[int] = [s.getsockname()[1] for s in self._sockets]
+
+    def release(self) -> None:
+        """Closes the held sockets (idempotent)."""
+        for sock in self._sockets:
+            sock.close()
+        self._sockets = []
+
+
+def tf_config(ports: Sequence[int], index: int) -> str:
+    """Returns the TF_CONFIG JSON for worker ``index`` of a loopback cluster on ``ports``."""
+    return json.dumps({
+        "cluster": {"worker": [f"{HOST}:{p}" for p in ports]},
+        "task": {"type": "worker", "index": index},
+    })
+
+
+def resolve_command(script_argv: Sequence[str], python: Optional[str] = None) -> List[str]:
+    """Turns ``[script, *args]`` into the command a worker runs.
+
+    A ``.py`` file runs under ``python`` (default: this interpreter); any other existing
+    executable file runs directly.
+
+    Raises:
+        ValueError: empty argv, or the script does not exist / is not runnable.
+    """
+    if not script_argv:
+        raise ValueError("No training script given. Fix: pass the script and its "
+                         "arguments, e.g. ['train.py', '--epochs', '3'].")
+    script = str(script_argv[0])
+    args = [str(a) for a in script_argv[1:]]
+    if not os.path.isfile(script):
+        raise ValueError(
+            f"Training script not found: {script!r} (working directory {os.getcwd()!r}). "
+            f"Fix: give an existing file path."
+        )
+    if script.endswith(".py"):
+        return [python or sys.executable, script, *args]
+    if not os.access(script, os.X_OK):
+        raise ValueError(
+            f"Training script {script!r} is neither a .py file nor executable. "
+            f"Fix: name a .py file, or chmod +x the script."
+        )
+    return [os.path.abspath(script), *args]
+
+
+def worker_env(base: Mapping[str, str], ports: Sequence[int], index: int, attempt: int,
+               threads: Optional[int] = None,
+               extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """Returns the environment of worker ``index``.
+
+    Sets ``TF_CONFIG``, ``TF_HETBATCH_RESTART=<attempt>`` (0 on the first launch),
+    ``PYTHONUNBUFFERED=1`` (so that output lines arrive as they are printed) and, when
+    ``threads`` is given, the TensorFlow/OpenMP thread counts. ``extra`` is applied last.
+    """
+    env = dict(base)
+    env["TF_CONFIG"] = tf_config(ports, index)
+    env[RESTART_ENV] = str(attempt)
+    env["PYTHONUNBUFFERED"] = "1"
+    if threads is not None:
+        for name in THREAD_ENVS:
+            env[name] = str(threads)
+    if extra:
+        env.update({str(k): str(v) for k, v in extra.items()})
+    return env
+
+
+def live_groups(pgids: Iterable[int]) -> Set[int]:
+    """Returns the process groups among ``pgids`` that still have a non-zombie member.
+
+    Reads Linux ``/proc`` once; where /proc is unreadable, a group counts as live while
+    ``killpg(pgid, 0)`` succeeds (which also counts zombie leaders).
+    """
+    wanted = set(pgids)
+    found: Set[int] = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        for pgid in wanted:
+            try:
+                os.killpg(pgid, 0)
+                found.add(pgid)
+            except OSError:
+                pass
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode("ascii", "replace")
+        except OSError:
+            continue
+        # Fields after the ")" that closes the command name: state ppid pgrp ...
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) >= 3 and fields[0] not in ("Z", "X") and int(fields[2]) in wanted:
+            found.add(int(fields[2]))
+    return found
