@@ -4,6 +4,7 @@ import logging
 from typing import Optional, Sequence, Tuple
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_hetbatch import _compat
@@ -279,7 +280,38 @@ class HeteroMixin:
             )
         return super().reduce(reduce_op, value, axis)
 
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process is the chief (writes logs and checkpoints). True on one host."""
+        return self._is_chief()
+
+    def gather_replica_values(self, local_values) -> "np.ndarray":
+        """All replicas' values, in replica order, from this process's replicas' values.
+
+        In multi-worker training this is a collective: every worker must call it at the same
+        point (e.g. from the same callback hook at the same step).
+
+        Args:
+            local_values: float array [num local replicas] (or [num local replicas, n]).
+
+        Returns:
+            float64 array [num_replicas_in_sync] (or [num_replicas_in_sync, n]).
+        """
+        local_values = np.asarray(local_values, dtype=np.float64)
+        if local_values.shape[0] != self._num_local_replicas():
+            raise ValueError(
+                f"`local_values` must have one row per local replica ({self._num_local_replicas()}). "
+                f"Received: shape {local_values.shape}."
+            )
+        return self._gather_local_rows(local_values)
+
     # ----------------------------------------------------------------- topology hooks ----------
+    def _is_chief(self):
+        return True
+
+    def _gather_local_rows(self, local_values):
+        return local_values
+
     def _host_device(self):
         return "/cpu:0"
 
