@@ -114,3 +114,17 @@ class ShapeRecorder(keras.layers.Layer):
         token = tf.py_function(record, [replica, tf.shape(inputs)[0]], tf.int32)
         with tf.control_dependencies([token]):
             return tf.identity(inputs)
+
+
+def stock_mirrored(devices):
+    """A stock tf.distribute.MirroredStrategy with collective keys of its own.
+
+    Stock strategies in one process share collective keys and can clash ("Shape mismatch in
+    the collective instance 100"); tf_hetbatch strategies avoid it the same way.
+    """
+    from tf_hetbatch import _compat
+
+    strategy = tf.distribute.MirroredStrategy.__new__(tf.distribute.MirroredStrategy)
+    _compat.assign_collective_key_base(strategy)
+    strategy.__init__(devices)
+    return strategy

@@ -14,6 +14,7 @@ from helpers import (
     image_data,
     max_weight_diff,
     regression_data,
+    stock_mirrored,
 )
 
 TOL = 1e-5
@@ -138,7 +139,7 @@ def test_stock_averaging_of_uneven_batches_differs(cpus):
     ref = dense_model()
     ref.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
 
-    stock = tf.distribute.MirroredStrategy(cpus[:3])
+    stock = stock_mirrored(cpus[:3])
     with stock.scope():
         model = dense_model()
     offsets = np.cumsum([0] + SPLIT)

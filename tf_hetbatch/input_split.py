@@ -1,11 +1,11 @@
 """Splitting each global batch of a tf.data pipeline into uneven per-replica batches.
 
-The pipeline yields global batches of B samples, as for every `tf.distribute` strategy. For each
-global batch this module reads the current allocation (an int32 host variable holding one size
-per replica, or all zeros for an even split) ONCE, and emits K consecutive slices, in replica
-order; `distribute_datasets_from_function` hands element i to replica i % K, so replica k gets
-slice k. A change of the allocation applies to the global batches produced after it, i.e. a few
-steps later (the distributed iterator prefetches).
+The pipeline yields global batches of B samples, as for every `tf.distribute` strategy. Each
+global batch gets its number in production order and the split in force for that number (see
+`Allocation`), and is emitted as K consecutive slices, in replica order;
+`distribute_datasets_from_function` hands element i to replica i % K, so replica k gets slice k.
+A split installed now applies to the global batches produced after it, i.e. a few steps later
+(the distributed iterator prefetches), or from an agreed batch number in multi-worker training.
 
 A batch of n samples is split as follows:
 - no sizes set (all zeros): evenly, the first n % K replicas getting one sample more;
@@ -81,27 +81,91 @@ def batch_dim(element):
     return tf.shape(flat[0], out_type=tf.int64)[0]
 
 
-def _check_only_last_partial(dataset, allocation):
-    """Fails on a short batch that is not the last one (batched by a size other than B)."""
+class Allocation:
+    """Host variables that tell the input pipeline how to split each global batch.
+
+    Global batches are numbered in the order the pipeline produces them (`produced` counts
+    them, across epochs and iterators). A split is installed for a starting batch number: batch
+    i uses the split with the largest start <= i. Every worker of a multi-worker job produces
+    the same sequence of global batches, so installing the same (start, sizes) everywhere, with
+    a start none of them has produced yet, switches all of them at the same global batch,
+    whatever their prefetch depths. A small ring of slots keeps switches that are not reached yet.
+    """
+
+    SLOTS = 8
+    NEVER = 2**62
+
+    def __init__(self, num_replicas, device="/cpu:0"):
+        self.num_replicas = num_replicas
+        with tf.init_scope(), tf.device(device):
+            self.starts = tf.Variable(
+                tf.constant([0] + [self.NEVER] * (self.SLOTS - 1), tf.int64),
+                trainable=False, name="hetbatch_split_starts",
+            )
+            # Zeros mean "even split of whatever the batch holds".
+            self.sizes = tf.Variable(
+                tf.zeros([self.SLOTS, num_replicas], tf.int32),
+                trainable=False, name="hetbatch_split_sizes",
+            )
+            # Install order: among slots with the same start, the latest installed wins.
+            self.sequence = tf.Variable(
+                tf.zeros([self.SLOTS], tf.int64), trainable=False, name="hetbatch_split_sequence"
+            )
+            self.produced = tf.Variable(
+                tf.constant(0, tf.int64), trainable=False, name="hetbatch_batches_produced"
+            )
+        self._next_slot = 1
+        self._installed = 0
+
+    def install(self, sizes, start):
+        """Makes global batches numbered >= `start` use `sizes` (eager, from Python)."""
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % self.SLOTS
+        self._installed += 1
+        self.sizes[slot].assign(tf.constant(sizes, tf.int32))
+        self.sequence[slot].assign(self._installed)
+        # Written after the sizes: a pipeline that sees the new start sees the new sizes.
+        self.starts[slot].assign(tf.constant(start, tf.int64))
+
+    def produced_count(self):
+        return int(self.produced.numpy())
+
+    def sizes_for_index(self, index):
+        """In-graph: the sizes in force for global batch number `index`."""
+        starts = self.starts.read_value()
+        valid = starts <= index
+        latest_start = tf.reduce_max(tf.where(valid, starts, -1))
+        candidates = tf.logical_and(valid, tf.equal(starts, latest_start))
+        slot = tf.argmax(tf.where(candidates, self.sequence.read_value(), -1))
+        return tf.gather(self.sizes.read_value(), slot)
+
+
+def _number_and_check(dataset, allocation):
+    """Numbers each global batch, looks up its sizes, and rejects a short batch that is not last.
+
+    A short batch (fewer samples than the sizes sum to) must be the last of the data; a batch
+    after a short one means the data is batched by another size than sum(batch_sizes).
+    """
 
     def scan_fn(previous_short, element):
+        index = allocation.produced.assign_add(1, read_value=True) - 1
+        sizes = allocation.sizes_for_index(index)
         n = batch_dim(element)
-        total = tf.reduce_sum(tf.cast(allocation, tf.int64))
+        total = tf.reduce_sum(tf.cast(sizes, tf.int64))
         check = tf.debugging.Assert(
             tf.logical_not(previous_short),
             [
                 "A global batch followed a short one: the dataset's batches do not have "
                 "sum(batch_sizes) samples. Fix: batch the dataset with the global batch size "
                 "sum(batch_sizes), or call set_batch_sizes() with sizes that sum to the "
-                "dataset's batch size. [previous batch was short; this batch samples, "
-                "sum(batch_sizes)]",
+                "dataset's batch size. [this batch's samples, sum(batch_sizes)]",
                 n,
                 total,
             ],
         )
         with tf.control_dependencies([check]):
             short = tf.logical_and(total > 0, n < total)
-            return short, element
+            return short, (element, sizes)
 
     return dataset.scan(tf.constant(False), scan_fn)
 
@@ -111,7 +175,7 @@ def split_global_batches(dataset, allocation, num_replicas, replica_range=None):
 
     Args:
         dataset: `tf.data.Dataset` of global batches (every component batched on axis 0).
-        allocation: int32 `tf.Variable` of shape [K] (zeros for an even split).
+        allocation: the strategy's `Allocation`.
         num_replicas: K, the number of replicas in sync (over all workers).
         replica_range: optional (first, count): emit only the slices of replicas
             first .. first + count - 1 (one worker's replicas in multi-worker training).
@@ -122,22 +186,21 @@ def split_global_batches(dataset, allocation, num_replicas, replica_range=None):
     """
     first, count = replica_range if replica_range is not None else (0, num_replicas)
     is_tuple = isinstance(dataset.element_spec, tuple)
-    dataset = _check_only_last_partial(dataset, allocation)
+    if is_tuple:
+        dataset = dataset.map(lambda *args: args)  # one structure per element for scan
+    numbered = _number_and_check(dataset, allocation)
 
-    def to_slices(*args):
-        element = args if is_tuple else args[0]
+    def to_slices(element, allocated):
         n = batch_dim(element)
-        sizes = sizes_for_batch(n, allocation.read_value(), num_replicas)
+        sizes = sizes_for_batch(n, allocated, num_replicas)
         offsets = tf.cumsum(sizes, exclusive=True)
         picks = tf.data.Dataset.from_tensor_slices(
             (offsets[first : first + count], sizes[first : first + count])
         )
 
         def take(offset, size):
-            return tf.nest.map_structure(
-                lambda t: t[offset : offset + size], element
-            )
+            return tf.nest.map_structure(lambda t: t[offset : offset + size], element)
 
         return picks.map(take)
 
-    return dataset.flat_map(to_slices)
+    return numbered.flat_map(to_slices)

@@ -25,13 +25,7 @@ class HeteroMixin:
 
     def _init_hetero(self):
         num_replicas = self.num_replicas_in_sync
-        with tf.init_scope(), tf.device(self._host_device()):
-            # Read by the input pipeline once per global batch; zeros mean "even split".
-            self._allocation = tf.Variable(
-                tf.zeros([num_replicas], tf.int32),
-                trainable=False,
-                name="hetbatch_allocation",
-            )
+        self._allocation = input_split.Allocation(num_replicas, self._host_device())
         self._batch_sizes: Optional[Tuple[int, ...]] = None
         # Set once a model with plain BatchNormalization trains: no replica may get 0 samples.
         self._needs_nonempty_replicas = False
@@ -85,7 +79,7 @@ class HeteroMixin:
         self._apply_batch_sizes(sizes)
 
     def _apply_batch_sizes(self, sizes):
-        self._allocation.assign(sizes)
+        self._allocation.install(sizes, self._switch_start())
         self._batch_sizes = tuple(sizes)
         logger.debug("batch sizes set to %s", self._batch_sizes)
 
@@ -311,6 +305,10 @@ class HeteroMixin:
 
     def _gather_local_rows(self, local_values):
         return local_values
+
+    def _switch_start(self):
+        """The first global batch number a new split applies to: the next one produced."""
+        return self._allocation.produced_count()
 
     def _host_device(self):
         return "/cpu:0"

@@ -1,0 +1,109 @@
+"""Canaries for every private API use and upstream workaround in tf_hetbatch._compat.
+
+Each test pins the upstream behaviour a workaround relies on or works around. When one fails
+after an upgrade, read the matching section of _compat.py: the workaround may be obsolete
+(lift it) or broken (fix it), but it must not go on silently.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_hetbatch as hb
+from tf_hetbatch import _compat
+from helpers import build_under, dense_model, regression_data, stock_mirrored
+
+
+def test_supported_versions_are_the_tested_ones():
+    assert tf.__version__.startswith(_compat.TESTED_TF), tf.__version__
+    assert keras.__version__.startswith(_compat.TESTED_KERAS), keras.__version__
+
+
+def test_keras_passes_the_bound_train_and_test_steps_to_strategy_run(cpus):
+    seen = []
+
+    class Recording(tf.distribute.MirroredStrategy):
+        def __init__(self, devices):
+            _compat.assign_collective_key_base(self)
+            super().__init__(devices)
+
+        def run(self, fn, args=(), kwargs=None, options=None):
+            seen.append(_compat.keras_model_of_step(fn))
+            return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    strategy = Recording(cpus[:2])
+    model = build_under(strategy, dense_model)
+    x, y = regression_data(n=64)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    model.evaluate(x, y, batch_size=32, verbose=0)
+    assert (model, "train_step") in seen and (model, "test_step") in seen
+
+
+def test_stock_strategy_still_fails_with_steps_per_execution(cpus):
+    """keras-team/keras#19246: while this fails, tf_hetbatch refuses steps_per_execution > 1."""
+    strategy = stock_mirrored(cpus[:2])
+    with strategy.scope():
+        model = dense_model()
+        model.compile("sgd", "mse", steps_per_execution=4)
+    x, y = regression_data(n=64)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="placeholder|Placeholder"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert _compat.STEPS_PER_EXECUTION_BROKEN
+
+
+def test_stock_symbolic_build_reduces_the_data_batch_and_crashes_on_uneven_shapes(cpus):
+    """Why HeteroMirroredStrategy.reduce handles uneven per-replica data batches."""
+    strategy = stock_mirrored(cpus[:3])
+    model = build_under(strategy, dense_model)
+    x, y = regression_data(n=64)
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError)):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # 32 over 3 replicas
+    ours = hb.HeteroMirroredStrategy(cpus[:3])
+    build_under(ours, dense_model).fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
+def test_loss_scale_optimizer_checks_only_the_first_replica_upstream(cpus):
+    """Keras's LossScaleOptimizer applies an overflowed step if replica 0 did not overflow."""
+    x, y = regression_data(n=32)
+    x[16:] *= 1e30  # only the second replica's half overflows
+
+    def run(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+            model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), "mse")
+        before = model.get_weights()
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        return before, model.get_weights(), float(model.optimizer.dynamic_scale.numpy())
+
+    _, stock_after, _ = run(stock_mirrored(cpus[:2]))
+    assert not all(np.all(np.isfinite(w)) for w in stock_after)  # the upstream bug
+
+    ours = hb.HeteroMirroredStrategy(cpus[:2])
+    before, after, scale = run(ours)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)  # the step is skipped on every replica
+    assert scale < 32768.0  # and the loss scale lowered
+
+
+def test_collective_key_base_is_read_from_the_strategy_object(cpus):
+    first = hb.HeteroMirroredStrategy(cpus[:2])
+    second = hb.HeteroMirroredStrategy(cpus[:2])
+    keys = [s.extended._collective_keys._group_key for s in (first, second)]
+    assert keys[0] != keys[1]
+    assert abs(keys[0] - keys[1]) >= _compat._COLLECTIVE_KEY_STRIDE
+
+
+def test_static_batch_size_inference():
+    ds = tf.data.Dataset.range(100).batch(32)
+    assert _compat.static_batch_size(ds) == 32
+    assert _compat.static_batch_size(ds.prefetch(2)) == 32
+    assert _compat.static_batch_size(ds.map(lambda t: t + 1)) is None  # falls back to run time
+
+
+def test_all_layers_walks_nested_models():
+    inner = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization()])
+    outer = keras.Sequential([keras.Input((4,)), inner, keras.layers.Dense(1)])
+    kinds = [type(layer).__name__ for layer in _compat.all_layers(outer)]
+    assert "BatchNormalization" in kinds and "Dense" in kinds

@@ -1,0 +1,298 @@
+"""HeteroMirroredStrategy behaviour: the split, changing it mid-fit, evaluate/predict, errors."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_hetbatch as hb
+from helpers import (
+    BatchLogs,
+    ShapeRecorder,
+    Sink,
+    build_under,
+    dense_model,
+    max_weight_diff,
+    regression_data,
+    stock_mirrored,
+)
+
+
+def recording_model(sink, seed=1):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [keras.Input((8,)), ShapeRecorder(sink), keras.layers.Dense(4, activation="tanh"),
+         keras.layers.Dense(1)]
+    )
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    return model
+
+
+class CountingModel(keras.Sequential):
+    """Counts traces of train_step (Python runs only while tracing)."""
+
+    traces = 0
+
+    def train_step(self, data):
+        CountingModel.traces += 1
+        return super().train_step(data)
+
+
+def test_replicas_receive_the_sizes_set(cpus):
+    sink = Sink()
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([5, 0, 27])
+    model = build_under(strategy, recording_model, sink=sink)
+    x, y = regression_data(n=128)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    per_replica = {}
+    for replica, n in sink.items:
+        per_replica.setdefault(replica, []).append(n)
+    assert per_replica == {0: [5] * 4, 1: [0] * 4, 2: [27] * 4}
+    assert strategy.batch_sizes == (5, 0, 27)
+    np.testing.assert_array_equal(strategy.read_replica_times().samples, [20, 0, 108])
+
+
+def test_change_mid_fit_applies_within_a_few_steps_without_retrace(cpus):
+    x, y = regression_data(n=640)
+    ref = dense_model()
+    ref.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([16, 8, 8])
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = CountingModel(
+            [keras.Input((8,)),
+             keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2)),
+             keras.layers.Dense(1)]
+        )
+        model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae"])
+    seen = []
+
+    class Switch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(tuple(strategy.read_replica_times(reset=True).samples))
+            if batch == 4:
+                self.traces_before = CountingModel.traces
+                strategy.set_batch_sizes([2, 10, 20])
+
+    switch = Switch()
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[switch])
+    assert CountingModel.traces == switch.traces_before  # no retrace after the change
+    first_new = seen.index((2.0, 10.0, 20.0))
+    assert 5 <= first_new <= 9, seen  # lands a few steps later (prefetch)
+    assert all(s == (16.0, 8.0, 8.0) for s in seen[:first_new])
+    assert all(s == (2.0, 10.0, 20.0) for s in seen[first_new:])
+    # Whatever the split and whenever it changed, the maths is one device on the global batch.
+    assert max_weight_diff(ref, model) <= 1e-5
+
+
+def test_evaluate_and_predict_match_one_device_in_input_order(cpus):
+    x, y = regression_data(n=100)  # B=32: three full batches and a short one of 4
+    ref = dense_model()
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([3, 7, 22])
+    ours = build_under(strategy, dense_model)
+    np.testing.assert_allclose(
+        ours.predict(x, batch_size=32, verbose=0), ref.predict(x, batch_size=32, verbose=0),
+        rtol=1e-6, atol=1e-6,
+    )
+    ref_eval = ref.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    our_eval = ours.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    for key in ref_eval:
+        assert our_eval[key] == pytest.approx(ref_eval[key], rel=1e-5)
+
+
+def test_several_strategies_in_one_process(cpus):
+    x, y = regression_data()
+    ref = dense_model()
+    ref.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    first = hb.HeteroMirroredStrategy(cpus[:3])
+    second = hb.HeteroMirroredStrategy(cpus[1:4])
+    first.set_batch_sizes([3, 7, 22])
+    second.set_batch_sizes([20, 2, 10])
+    models = [build_under(s, dense_model) for s in (first, second)]
+    for _ in range(2):  # interleaved epochs
+        for m in models:
+            m.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    for m in models:
+        assert max_weight_diff(ref, m) <= 1e-5
+
+
+def test_read_replica_times_accumulates_and_resets(cpus):
+    strategy = hb.HeteroMirroredStrategy(cpus[:2])
+    strategy.set_batch_sizes([12, 20])
+    model = build_under(strategy, dense_model)
+    x, y = regression_data(n=96)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    times = strategy.read_replica_times(reset=True)
+    np.testing.assert_array_equal(times.steps, [3, 3])
+    np.testing.assert_array_equal(times.samples_per_step, [12, 20])
+    assert np.all(times.compute_seconds > 0)
+    assert np.all(strategy.read_replica_times().steps == 0)
+
+
+@pytest.mark.parametrize(
+    "sizes, match",
+    [
+        ([16, 16], "one entry per replica"),
+        ([40, -4, -4], "batch_sizes"),
+        ([10.5, 10.5, 11], "batch_sizes"),
+        (["a", 1, 2], "batch_sizes"),
+    ],
+)
+def test_bad_batch_sizes_are_rejected_with_the_value(cpus, sizes, match):
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    with pytest.raises(ValueError, match=match) as info:
+        strategy.set_batch_sizes(sizes)
+    assert "Received" in str(info.value)
+
+
+def test_sizes_not_summing_to_the_data_batch_fail_when_the_data_arrives(cpus):
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([10, 10, 10])
+    model = build_under(strategy, dense_model)
+    x, y = regression_data(n=128)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match=r"global batch size 32.*sum 30"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)  # nothing trained, nothing lost
+    # Once the data is known, a wrong sum is refused at once.
+    strategy.set_batch_sizes([10, 10, 12])
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=r"global batch size 32.*sum 31"):
+        strategy.set_batch_sizes([10, 10, 11])
+
+
+def test_data_batched_by_another_size_fails_at_the_second_batch(cpus):
+    # .map after .batch hides the batch size from tf.data, so this is caught in the pipeline.
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([10, 10, 12])
+    model = build_under(strategy, dense_model)
+    x, y = regression_data(n=128)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).map(lambda a, b: (a, b))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="followed a short one"):
+        model.fit(ds, epochs=1, verbose=0)
+
+
+def test_unbatched_and_distributed_data_are_rejected(cpus):
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    x, y = regression_data(n=64)
+    with pytest.raises(ValueError, match="must be batched"):
+        strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y[:, 0])))
+    with pytest.raises(ValueError, match="must be batched"):
+        strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)))
+    distributed = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    )
+    with pytest.raises(ValueError, match="already distributed"):
+        strategy.experimental_distribute_dataset(distributed)
+    with pytest.raises(TypeError, match="tf.data.Dataset"):
+        strategy.experimental_distribute_dataset([x, y])
+
+
+def test_empty_replica_with_plain_batch_norm_is_refused(cpus):
+    def model_fn():
+        keras.utils.set_random_seed(1)
+        m = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(4), keras.layers.BatchNormalization(),
+             keras.layers.Dense(1)]
+        )
+        m.compile("sgd", "mse")
+        return m
+
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([0, 10, 22])
+    model = build_under(strategy, model_fn)
+    x, y = regression_data(n=64)
+    with pytest.raises(ValueError, match="at least 1 sample.*batch_sizes=\\[0, 10, 22\\]"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    strategy.set_batch_sizes([4, 6, 22])
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="at least 1 sample"):
+        strategy.set_batch_sizes([0, 16, 16])
+
+
+def test_custom_train_step_without_scale_loss_is_refused(cpus):
+    class NoScale(keras.Sequential):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables)
+            return {"loss": loss}
+
+    strategy = hb.HeteroMirroredStrategy(cpus[:2])
+    with strategy.scope():
+        model = NoScale([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    x, y = regression_data(n=64)
+    with pytest.raises(ValueError, match="scale_loss"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
+def test_steps_per_execution_above_one_is_refused_clearly(cpus):
+    strategy = hb.HeteroMirroredStrategy(cpus[:2])
+    with strategy.scope():
+        model = dense_model()
+        model.compile("sgd", "mse", steps_per_execution=4)
+    x, y = regression_data(n=64)
+    with pytest.raises(ValueError, match="steps_per_execution.*19246"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_custom_loop_with_global_batch_loss_scaling_is_exact(cpus):
+    x, y = regression_data(n=64)
+    ref = dense_model(regularize=False)
+    ref.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([3, 7, 22])
+    model = build_under(strategy, dense_model, regularize=False)
+    dist = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    )
+
+    @tf.function
+    def step(batch):
+        def replica_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                per_example = tf.reduce_mean(tf.square(model(xb, training=True) - yb), axis=1)
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=32)
+            grads = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply(grads, model.trainable_variables)
+
+        strategy.run(replica_fn, args=batch)
+
+    for batch in dist:
+        step(batch)
+    assert max_weight_diff(ref, model) <= 1e-5
+
+
+def _conformance_body(strategy):
+    x, y = regression_data(n=192)
+    model = build_under(strategy, dense_model)
+    logs = BatchLogs()
+    hist = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[logs])
+    return {
+        "weights": np.concatenate([np.ravel(w) for w in model.get_weights()]),
+        "history": hist.history,
+        "eval": model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True),
+        "predict": model.predict(x[:50], batch_size=32, verbose=0),
+        "batch_losses": [b["loss"] for b in logs.batches],
+    }
+
+
+def test_conformance_even_split_matches_stock(cpus):
+    """The same body against the stock strategy and ours: identical results with an even split."""
+    stock = _conformance_body(stock_mirrored(cpus[:2]))
+    ours = _conformance_body(hb.HeteroMirroredStrategy(cpus[:2]))
+    np.testing.assert_allclose(ours["weights"], stock["weights"], rtol=0, atol=1e-6)
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(ours["history"][key], stock["history"][key], rtol=1e-6)
+    for key in stock["eval"]:
+        assert ours["eval"][key] == pytest.approx(stock["eval"][key], rel=1e-6)
+    np.testing.assert_allclose(ours["predict"], stock["predict"], rtol=1e-6)
+    np.testing.assert_allclose(ours["batch_losses"], stock["batch_losses"], rtol=1e-6)
