@@ -169,3 +169,47 @@ def agree_on_finite_gradients(grads):
         None if g is None else tf.nest.map_structure(poison, g, expand_composites=True)
         for g in grads
     ]
+
+
+# --- Keras 3 fit under MultiWorkerMirroredStrategy ----------------------------------------------
+# Keras 3.15 `fit` crashes under any MultiWorkerMirroredStrategy before the first step:
+# (a) `_maybe_symbolic_build` calls `strategy.reduce("MEAN", <data batch>, axis=None)` eagerly,
+#     only to build the model from the batch's shapes;
+# (b) `reduce_per_replica`, in its multi-worker branch, calls `strategy.reduce("MEAN", v, axis=0)`
+#     on every log value, scalars included ("Invalid reduction dimension 0 for input with 0
+#     dimensions").
+# Both pass through the strategy's own `reduce`; HeteroMultiWorkerMirroredStrategy answers (a)
+# with this worker's largest local batch (the shapes are what matter; no collective) and (b) as
+# a reduce with axis=None. (a) is recognised by its caller, so a user's own reduce with
+# axis=None keeps its meaning.
+def called_from_keras_symbolic_build(max_depth=4):
+    import sys
+
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_maybe_symbolic_build" and "keras" in frame.f_code.co_filename:
+            return True
+    return False
+
+
+def is_scalar_reduce_with_axis(strategy, value, axis):
+    if axis != 0:
+        return False
+    leaves = (
+        strategy.experimental_local_results(value)
+        if isinstance(value, tf.distribute.DistributedValues)
+        else [value]
+    )
+    return all(getattr(getattr(t, "shape", None), "rank", None) == 0 for t in leaves)
+
+
+def is_data_batch_reduce(strategy, reduce_op, value):
+    flat = tf.nest.flatten(value)
+    return (
+        bool(flat)
+        and all(isinstance(v, tf.distribute.DistributedValues) for v in flat)
+        and called_from_keras_symbolic_build()
+    )

@@ -84,41 +84,48 @@ def batch_dim(element):
 class Allocation:
     """Host variables that tell the input pipeline how to split each global batch.
 
-    Global batches are numbered in the order the pipeline produces them (`produced` counts
-    them, across epochs and iterators). A split is installed for a starting batch number: batch
-    i uses the split with the largest start <= i. Every worker of a multi-worker job produces
-    the same sequence of global batches, so installing the same (start, sizes) everywhere, with
-    a start none of them has produced yet, switches all of them at the same global batch,
-    whatever their prefetch depths. A small ring of slots keeps switches that are not reached yet.
+    Each global batch gets a number, its key, and uses the split installed with the largest
+    start <= key (latest installed on a tie). A small ring of slots keeps switches that are not
+    reached yet. Two ways of numbering:
+    - one host (`keyed_by_step=False`): the count of global batches produced so far, by any
+      iterator; a split installed with start = that count applies to every batch produced
+      after the call;
+    - several workers (`keyed_by_step=True`): the training step the batch will be trained in,
+      i.e. the steps trained when its iterator produced its first batch, plus its position in
+      that iterator. Every worker computes the same keys whatever its prefetch timing, so the
+      same (start, sizes) installed on every worker, with a start no worker has produced yet,
+      switches all of them at the same global step.
     """
 
     SLOTS = 8
     NEVER = 2**62
 
-    def __init__(self, num_replicas, device="/cpu:0"):
+    def __init__(self, num_replicas, device="/cpu:0", keyed_by_step=False):
         self.num_replicas = num_replicas
+        self.keyed_by_step = keyed_by_step
         with tf.init_scope(), tf.device(device):
-            self.starts = tf.Variable(
+
+            def variable(value, name):
+                return tf.Variable(value, trainable=False, name=name)
+
+            self.starts = variable(
                 tf.constant([0] + [self.NEVER] * (self.SLOTS - 1), tf.int64),
-                trainable=False, name="hetbatch_split_starts",
+                "hetbatch_split_starts",
             )
             # Zeros mean "even split of whatever the batch holds".
-            self.sizes = tf.Variable(
-                tf.zeros([self.SLOTS, num_replicas], tf.int32),
-                trainable=False, name="hetbatch_split_sizes",
+            self.sizes = variable(
+                tf.zeros([self.SLOTS, num_replicas], tf.int32), "hetbatch_split_sizes"
             )
             # Install order: among slots with the same start, the latest installed wins.
-            self.sequence = tf.Variable(
-                tf.zeros([self.SLOTS], tf.int64), trainable=False, name="hetbatch_split_sequence"
-            )
-            self.produced = tf.Variable(
-                tf.constant(0, tf.int64), trainable=False, name="hetbatch_batches_produced"
-            )
+            self.sequence = variable(tf.zeros([self.SLOTS], tf.int64), "hetbatch_split_sequence")
+            self.produced = variable(tf.constant(0, tf.int64), "hetbatch_batches_produced")
+            self.trained = variable(tf.constant(0, tf.int64), "hetbatch_steps_trained")
+            self.last_key = variable(tf.constant(-1, tf.int64), "hetbatch_last_key")
         self._next_slot = 1
         self._installed = 0
 
     def install(self, sizes, start):
-        """Makes global batches numbered >= `start` use `sizes` (eager, from Python)."""
+        """Makes global batches with key >= `start` use `sizes` (eager, from Python)."""
         slot = self._next_slot
         self._next_slot = (slot + 1) % self.SLOTS
         self._installed += 1
@@ -127,29 +134,48 @@ class Allocation:
         # Written after the sizes: a pipeline that sees the new start sees the new sizes.
         self.starts[slot].assign(tf.constant(start, tf.int64))
 
-    def produced_count(self):
-        return int(self.produced.numpy())
+    def count_trained_step(self):
+        """In the train step (cross-replica context): one more step trained."""
+        return self.trained.assign_add(1)
 
-    def sizes_for_index(self, index):
-        """In-graph: the sizes in force for global batch number `index`."""
+    def sizes_for_key(self, key):
+        """In-graph: the sizes in force for the global batch with this key."""
         starts = self.starts.read_value()
-        valid = starts <= index
+        valid = starts <= key
         latest_start = tf.reduce_max(tf.where(valid, starts, -1))
         candidates = tf.logical_and(valid, tf.equal(starts, latest_start))
         slot = tf.argmax(tf.where(candidates, self.sequence.read_value(), -1))
         return tf.gather(self.sizes.read_value(), slot)
 
+    def number(self, dataset):
+        """Pairs each global batch with its key (and updates the counters)."""
 
-def _number_and_check(dataset, allocation):
-    """Numbers each global batch, looks up its sizes, and rejects a short batch that is not last.
+        def scan_fn(state, element):
+            base, position = state
+            produced = self.produced.assign_add(1, read_value=True) - 1
+            if self.keyed_by_step:
+                base = tf.where(base < 0, self.trained.read_value(), base)
+                key = base + position
+            else:
+                key = produced
+            record = self.last_key.assign(tf.maximum(self.last_key.read_value(), key))
+            with tf.control_dependencies([record]):
+                return (base, position + 1), (key, element)
+
+        initial = (tf.constant(-1, tf.int64), tf.constant(0, tf.int64))
+        return dataset.scan(initial, scan_fn)
+
+
+def _sizes_and_check(numbered, allocation):
+    """Looks up each batch's sizes and rejects a short batch that is not the last one.
 
     A short batch (fewer samples than the sizes sum to) must be the last of the data; a batch
     after a short one means the data is batched by another size than sum(batch_sizes).
     """
 
-    def scan_fn(previous_short, element):
-        index = allocation.produced.assign_add(1, read_value=True) - 1
-        sizes = allocation.sizes_for_index(index)
+    def scan_fn(previous_short, keyed):
+        key, element = keyed
+        sizes = allocation.sizes_for_key(key)
         n = batch_dim(element)
         total = tf.reduce_sum(tf.cast(sizes, tf.int64))
         check = tf.debugging.Assert(
@@ -167,7 +193,7 @@ def _number_and_check(dataset, allocation):
             short = tf.logical_and(total > 0, n < total)
             return short, (element, sizes)
 
-    return dataset.scan(tf.constant(False), scan_fn)
+    return numbered.scan(tf.constant(False), scan_fn)
 
 
 def split_global_batches(dataset, allocation, num_replicas, replica_range=None):
@@ -188,7 +214,7 @@ def split_global_batches(dataset, allocation, num_replicas, replica_range=None):
     is_tuple = isinstance(dataset.element_spec, tuple)
     if is_tuple:
         dataset = dataset.map(lambda *args: args)  # one structure per element for scan
-    numbered = _number_and_check(dataset, allocation)
+    numbered = _sizes_and_check(allocation.number(dataset), allocation)
 
     def to_slices(element, allocated):
         n = batch_dim(element)

@@ -20,12 +20,14 @@ class HeteroMixin:
     """What both tf_hetbatch strategies add to their stock base class.
 
     The host class calls `_init_hetero()` after its stock constructor. Subclasses for several
-    workers override `_replica_range`, `_global_total` and `_gather_times`.
+    workers override the topology hooks at the end.
     """
 
     def _init_hetero(self):
         num_replicas = self.num_replicas_in_sync
-        self._allocation = input_split.Allocation(num_replicas, self._host_device())
+        self._allocation = input_split.Allocation(
+            num_replicas, self._host_device(), keyed_by_step=self._keyed_by_step()
+        )
         self._batch_sizes: Optional[Tuple[int, ...]] = None
         # Set once a model with plain BatchNormalization trains: no replica may get 0 samples.
         self._needs_nonempty_replicas = False
@@ -99,7 +101,10 @@ class HeteroMixin:
         local = self._timing.read_local()
         if reset:
             self._timing.subtract_local(local)
-        return self._gather_times(local)
+        rows = self._gather_local_rows(
+            np.stack([local.compute_seconds, local.samples, local.steps], axis=1)
+        )
+        return timing.ReplicaTimes(rows[:, 0], rows[:, 1], rows[:, 2])
 
     # ----------------------------------------------------------------- input -------------------
     def experimental_distribute_dataset(self, dataset, options=None):
@@ -189,10 +194,14 @@ class HeteroMixin:
         _compat.check_steps_per_execution(model)
         training = kind == "train_step"
         data = args[0] if args else None
-        weights = None
+        mode, total = weighting.NONE, None
         if training:
             weighting.adapt_optimizer(model.optimizer)
-            weights = self._replica_weights(data, weighting.weighting_mode(model))
+            mode = weighting.weighting_mode(model)
+            if not _all_distributed(data):
+                mode = weighting.NONE  # the same data on every replica: nothing to weight
+            if mode != weighting.NONE:
+                total = self._step_total(data, mode)
         check_nonempty = training and _has_local_batch_norm(model)
         if check_nonempty:
             self._needs_nonempty_replicas = True
@@ -200,8 +209,11 @@ class HeteroMixin:
                 _check_nonempty_sizes(self.batch_sizes)
         accumulators = self._timing if training else None
 
-        def replica_fn(weight, *replica_args, **replica_kwargs):
+        def replica_fn(*replica_args, **replica_kwargs):
             replica_args, start_time, samples = _timed_inputs(replica_args, check_nonempty)
+            weight = None
+            if mode != weighting.NONE:
+                weight = self._replica_weight(_weighting_amount(replica_args[0], mode), total)
             step = weighting.ReplicaStep(
                 weight=weight, start_time=start_time, samples=samples, timing=accumulators
             )
@@ -217,30 +229,31 @@ class HeteroMixin:
                 )
             return outputs
 
-        outputs = super().run(
-            replica_fn, args=(weights,) + tuple(args), kwargs=kwargs, options=options
-        )
+        outputs = super().run(replica_fn, args=args, kwargs=kwargs, options=options)
+        if training:
+            with tf.control_dependencies(
+                [t for t in tf.nest.flatten(self.experimental_local_results(outputs))
+                 if isinstance(t, tf.Tensor)]
+            ):
+                self._allocation.count_trained_step()
         return self._global_logs(model, outputs)
 
-    def _replica_weights(self, data, mode):
-        """PerReplica scalar loss weights K * lambda_k, or None when no weighting is needed."""
-        if mode == weighting.NONE or not _all_distributed(data):
-            return None
-        local = self.experimental_local_results(data)
-        if mode == weighting.SAMPLE_WEIGHT:
-            amounts = [_sample_weight_total(d) for d in local]
-        else:
-            amounts = [
-                tf.cast(input_split.batch_dim(keras.utils.unpack_x_y_sample_weight(d)[0]), tf.float32)
-                for d in local
-            ]
-        total = self._global_total(tf.add_n(amounts))
-        scale = float(self.num_replicas_in_sync)
-        weights = [tf.math.divide_no_nan(scale * a, total) for a in amounts]
-        offset = self._first_local_replica()
-        return self.experimental_distribute_values_from_function(
-            lambda ctx: weights[ctx.replica_id_in_sync_group - offset]
+    def _step_total(self, data, mode):
+        """Cross-replica context: the step's total amount (samples or sample weight).
+
+        On one host it is the sum over the local replicas' data, at no communication cost.
+        Returns None where replicas must all-reduce it themselves (several workers).
+        """
+        return tf.add_n(
+            [_weighting_amount(d, mode) for d in self.experimental_local_results(data)]
         )
+
+    def _replica_weight(self, amount, total):
+        """Replica context: K * lambda_k, replica k's loss weight (Keras already divides by K)."""
+        if total is None:
+            ctx = tf.distribute.get_replica_context()
+            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, amount)
+        return tf.math.divide_no_nan(float(self.num_replicas_in_sync) * amount, total)
 
     def _global_logs(self, model, outputs):
         """Replaces per-replica metric values by the global running means."""
@@ -306,9 +319,12 @@ class HeteroMixin:
     def _gather_local_rows(self, local_values):
         return local_values
 
+    def _keyed_by_step(self):
+        return False
+
     def _switch_start(self):
-        """The first global batch number a new split applies to: the next one produced."""
-        return self._allocation.produced_count()
+        """The first global batch key a new split applies to: the next batch produced."""
+        return int(self._allocation.produced.numpy())
 
     def _host_device(self):
         return "/cpu:0"
@@ -316,17 +332,8 @@ class HeteroMixin:
     def _num_local_replicas(self):
         return self.num_replicas_in_sync
 
-    def _first_local_replica(self):
-        return 0
-
     def _replica_range(self):
         return None
-
-    def _global_total(self, local_total):
-        return local_total
-
-    def _gather_times(self, local):
-        return local
 
 
 class HeteroMirroredStrategy(HeteroMixin, tf.distribute.MirroredStrategy):
@@ -375,13 +382,14 @@ def _all_distributed(data):
     return bool(flat) and all(_is_distributed(t) for t in flat)
 
 
-def _sample_weight_total(data):
+def _weighting_amount(data, mode):
+    """What replica k's weight is proportional to: its samples, or its summed sample weight."""
     x, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    if sample_weight is None:
-        return tf.cast(input_split.batch_dim(x), tf.float32)
-    return tf.add_n(
-        [tf.reduce_sum(tf.cast(w, tf.float32)) for w in tf.nest.flatten(sample_weight)]
-    )
+    if mode == weighting.SAMPLE_WEIGHT and sample_weight is not None:
+        return tf.add_n(
+            [tf.reduce_sum(tf.cast(w, tf.float32)) for w in tf.nest.flatten(sample_weight)]
+        )
+    return tf.cast(input_split.batch_dim(x), tf.float32)
 
 
 _EMPTY_REPLICA_FIX = (

@@ -1,0 +1,83 @@
+"""HeteroMultiWorkerMirroredStrategy with real worker processes on 127.0.0.1 (via the launcher)."""
+
+import io
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from tf_hetbatch.launch import launch
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "mw_train.py")
+sys.path.insert(0, os.path.dirname(WORKER))
+import mw_train  # noqa: E402
+
+
+def run_cluster(out, num_workers, *args, timeout=240):
+    log = io.StringIO()
+    result = launch(
+        [WORKER, "--out", str(out), *args], num_workers, threads=1, timeout=timeout,
+        stdout=log, stderr=log, handle_signals=False,
+    )
+    assert result.ok, result.message + "\n" + log.getvalue()[-4000:]
+    outputs = []
+    for i in range(num_workers):
+        weights = np.load(os.path.join(out, f"worker{i}.npz"))
+        with open(os.path.join(out, f"worker{i}.json")) as f:
+            info = json.load(f)
+        outputs.append((weights, info))
+    return outputs
+
+
+def reference_weights(n=320, batch=32, epochs=2):
+    import tensorflow as tf
+
+    x, y = mw_train.data(n)
+    model = mw_train.build()
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch), epochs=epochs, verbose=0)
+    return model.get_weights()
+
+
+def weights_of(npz, count):
+    return [npz[f"arr_{i}"] for i in range(count)]
+
+
+def test_two_workers_exact_with_a_switch_at_the_same_step(tmp_path):
+    outputs = run_cluster(
+        tmp_path, 2, "--sizes", "5,27", "--switch-step", "4", "--switch-sizes", "20,12"
+    )
+    ref = reference_weights()
+    for weights, _ in outputs:
+        ours = weights_of(weights, len(ref))
+        assert max(float(np.max(np.abs(a - b))) for a, b in zip(ours, ref)) <= 1e-5
+    # Identical on every worker, bit for bit.
+    for a, b in zip(weights_of(outputs[0][0], len(ref)), weights_of(outputs[1][0], len(ref))):
+        np.testing.assert_array_equal(a, b)
+    # Every sample used exactly once per epoch (2 epochs), whatever the split and its change.
+    ids = np.concatenate([w["ids"] for w, _ in outputs])
+    np.testing.assert_array_equal(np.bincount(ids, minlength=320), np.full(320, 2))
+    # The switch landed at the same step on both workers: step 4 + SWITCH_MARGIN.
+    from tf_hetbatch.multi_worker import SWITCH_MARGIN
+
+    samples = [info["samples"] for _, info in outputs]
+    assert samples[0] == samples[1]
+    switch = 4 + SWITCH_MARGIN
+    assert all(s == [5.0, 27.0] for s in samples[0][:switch])
+    assert all(s == [20.0, 12.0] for s in samples[0][switch:])
+    assert [info["chief"] for _, info in outputs] == [True, False]
+    # The history is the same global mean on both workers.
+    for key in ("loss", "mae"):
+        assert outputs[0][1]["history"][key] == pytest.approx(outputs[1][1]["history"][key])
+
+
+def test_three_workers_even_split_of_an_indivisible_batch(tmp_path):
+    outputs = run_cluster(tmp_path, 3, "--epochs", "1")
+    ref = reference_weights(epochs=1)
+    for weights, info in outputs:
+        ours = weights_of(weights, len(ref))
+        assert max(float(np.max(np.abs(a - b))) for a, b in zip(ours, ref)) <= 1e-5
+        assert info["batch_sizes"] == [11, 11, 10]
+    ids = np.concatenate([w["ids"] for w, _ in outputs])
+    np.testing.assert_array_equal(np.bincount(ids, minlength=320), np.ones(320))

@@ -1,0 +1,128 @@
+"""A multi-worker training script for the tests: run by tf_hetbatch.launch with TF_CONFIG set.
+
+Trains a small dense model with HeteroMultiWorkerMirroredStrategy on deterministic data that
+carries a sample id, records the ids each worker's replicas trained on, optionally changes the
+split mid-run from a callback, and saves weights and ids to <out>/worker<i>.npz.
+"""
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_hetbatch as hb  # noqa: E402
+
+
+def data(n):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    x[:, 0] = np.arange(n)  # sample id, zeroed before the model sees it
+    y = (x[:, 1:2] * 2.0 - x[:, 2:3] + 0.1 * rng.normal(size=(n, 1))).astype("float32")
+    return x, y
+
+
+class IdRecorder(keras.layers.Layer):
+    def __init__(self, sink, **kwargs):
+        super().__init__(**kwargs)
+        self._sink = sink
+
+    def call(self, inputs, training=None):
+        if training:
+            token = tf.py_function(
+                lambda ids: self._sink.extend(ids.numpy().astype(int).tolist()) or np.int32(0),
+                [inputs[:, 0]],
+                tf.int32,
+            )
+            with tf.control_dependencies([token]):
+                inputs = tf.identity(inputs)
+        return inputs * tf.constant([0.0] + [1.0] * 7)
+
+
+def build(sink=None):
+    keras.utils.set_random_seed(1)
+    layers = [keras.Input((8,))]
+    layers.append(IdRecorder(sink) if sink is not None else keras.layers.Lambda(
+        lambda t: t * tf.constant([0.0] + [1.0] * 7)))
+    layers += [
+        keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2)),
+        keras.layers.Dense(1),
+    ]
+    model = keras.Sequential(layers)
+    model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae"])
+    return model
+
+
+class Sink:
+    """A plain holder (Keras would wrap a list attribute of a layer in a tracked copy)."""
+
+    def __init__(self):
+        self.items = []
+
+    def extend(self, values):
+        self.items.extend(values)
+
+
+class SwitchAt(keras.callbacks.Callback):
+    def __init__(self, strategy, at_step, sizes):
+        super().__init__()
+        self.strategy, self.at_step, self.sizes, self.step = strategy, at_step, sizes, 0
+        self.samples = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        times = self.strategy.read_replica_times(reset=True)  # collective, every worker
+        self.samples.append(times.samples.tolist())
+        if self.step == self.at_step:
+            self.strategy.set_batch_sizes(self.sizes)  # collective, every worker
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--n", type=int, default=320)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--sizes", default="", help="initial split, comma separated")
+    parser.add_argument("--switch-step", type=int, default=0)
+    parser.add_argument("--switch-sizes", default="")
+    args = parser.parse_args()
+
+    strategy = hb.HeteroMultiWorkerMirroredStrategy()
+    if args.sizes:
+        strategy.set_batch_sizes([int(s) for s in args.sizes.split(",")])
+    sink = Sink()
+    with strategy.scope():
+        model = build(sink)
+    callbacks = []
+    if args.switch_step:
+        switch = SwitchAt(strategy, args.switch_step, [int(s) for s in args.switch_sizes.split(",")])
+        callbacks.append(switch)
+    x, y = data(args.n)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
+    history = model.fit(ds, epochs=args.epochs, verbose=0, callbacks=callbacks)
+    index = strategy.cluster_resolver.task_id
+    os.makedirs(args.out, exist_ok=True)
+    np.savez(
+        os.path.join(args.out, f"worker{index}.npz"),
+        *model.get_weights(),
+        ids=np.array(sink.items, dtype=np.int64),
+    )
+    with open(os.path.join(args.out, f"worker{index}.json"), "w") as f:
+        json.dump(
+            {
+                "history": history.history,
+                "samples": callbacks[0].samples if callbacks else [],
+                "batch_sizes": list(strategy.batch_sizes),
+                "chief": strategy.is_chief,
+            },
+            f,
+        )
+
+
+if __name__ == "__main__":
+    main()

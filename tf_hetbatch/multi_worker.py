@@ -1,0 +1,123 @@
+"""HeteroMultiWorkerMirroredStrategy: uneven, exactly weighted batches across workers."""
+
+import logging
+
+import numpy as np
+import tensorflow as tf
+
+from tf_hetbatch import _compat
+from tf_hetbatch.strategy import HeteroMixin
+
+logger = logging.getLogger(__name__)
+
+# A new split starts this many steps after the current one, so no worker's input pipeline has
+# produced that step's batch yet (pipelines run at most a few batches ahead of training: the
+# distributed iterator's prefetch). Checked after every switch.
+SWITCH_MARGIN = 8
+
+
+class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMirroredStrategy):
+    """`tf.distribute.MultiWorkerMirroredStrategy` with uneven, exactly weighted batches.
+
+    Everything `HeteroMirroredStrategy` promises, across workers: configured by TF_CONFIG as
+    stock (or a cluster resolver), one split of each global batch over ALL replicas of all
+    workers, gradients weighted by b_k / B so the model equals one device on the global batch
+    and is identical on every worker.
+
+    Input: every worker reads the same sequence of global batches (use a seeded shuffle, as
+    with the stock DATA auto-shard policy) and keeps its own replicas' slices, so every sample
+    of an epoch is used exactly once, whatever the split.
+
+    Collectives: `set_batch_sizes`, `read_replica_times` and `gather_replica_values` talk to
+    all workers, so every worker must call them at the same point (a callback does). A new
+    split takes effect on every worker at the same training step, `SWITCH_MARGIN` steps after
+    the call (at once if no worker has read any data yet).
+
+    Keras 3 `fit` works without patching Keras: its two multi-worker crashes (a reduce of the
+    data batch in its symbolic build, and axis=0 reduces of scalar logs) pass through this
+    strategy's `reduce`, which handles them (see `_compat`).
+
+    Args:
+        cluster_resolver: as for `tf.distribute.MultiWorkerMirroredStrategy`.
+        communication_options: as for `tf.distribute.MultiWorkerMirroredStrategy`.
+    """
+
+    def __init__(self, cluster_resolver=None, communication_options=None):
+        # Every worker creates its strategies in the same order, so the bases agree.
+        _compat.assign_collective_key_base(self)
+        super().__init__(
+            cluster_resolver=cluster_resolver, communication_options=communication_options
+        )
+        self._sum_tables = None
+        self._init_hetero()
+
+    # ----------------------------------------------------------------- topology hooks ----------
+    def _num_local_replicas(self):
+        return len(self.extended.worker_devices)
+
+    def _worker_index(self):
+        resolver = self.cluster_resolver
+        return int(resolver.task_id or 0) if resolver is not None else 0
+
+    def _replica_range(self):
+        count = self._num_local_replicas()
+        return (self._worker_index() * count, count)
+
+    def _is_chief(self):
+        return bool(self.extended.should_checkpoint)
+
+    def _step_total(self, data, mode):
+        return None  # each replica all-reduces its amount (see HeteroMixin._replica_weight)
+
+    def _gather_local_rows(self, local_values):
+        # An all-reduce SUM of a [K, n] table where each replica fills its own row: one small
+        # collective, traced once per n (the stock eager `gather` retraces on every call).
+        rows = local_values.reshape(local_values.shape[0], -1)
+        first, count = self._replica_range()
+        width = rows.shape[1]
+        tables = []
+        for i in range(count):
+            table = np.zeros((self.num_replicas_in_sync, width), np.float64)
+            table[first + i] = rows[i]
+            tables.append(tf.constant(table))
+        per_replica = self.experimental_distribute_values_from_function(
+            lambda ctx: tables[ctx.replica_id_in_sync_group - first]
+        )
+        if self._sum_tables is None:
+            self._sum_tables = tf.function(
+                lambda v: self.reduce(tf.distribute.ReduceOp.SUM, v, axis=None)
+            )
+        gathered = self._sum_tables(per_replica).numpy()
+        return gathered.reshape((self.num_replicas_in_sync,) + local_values.shape[1:])
+
+    def _keyed_by_step(self):
+        return True
+
+    def _switch_start(self):
+        produced = int(self._allocation.produced.numpy())
+        if self._gather_local_rows(np.full(self._num_local_replicas(), produced)).max() == 0:
+            return 0  # no worker has produced a batch yet: the split applies from the first
+        return int(self._allocation.trained.numpy()) + SWITCH_MARGIN
+
+    def _apply_batch_sizes(self, sizes):
+        start = self._switch_start()
+        self._allocation.install(sizes, start)
+        self._batch_sizes = tuple(sizes)
+        last_key = int(self._allocation.last_key.numpy())
+        if last_key >= start:
+            raise RuntimeError(
+                f"This worker's input pipeline produced the global batch for step {last_key} "
+                f"before the split switching at step {start} was installed, so workers could "
+                "split a batch differently. Its pipeline runs further ahead of training than "
+                f"SWITCH_MARGIN={SWITCH_MARGIN}: raise tf_hetbatch.multi_worker.SWITCH_MARGIN."
+            )
+        logger.debug("batch sizes %s from step %d", self._batch_sizes, start)
+
+    # ----------------------------------------------------------------- Keras crashes -----------
+    def reduce(self, reduce_op, value, axis):
+        """As the stock `reduce`, handling what Keras 3 `fit` asks of a multi-worker strategy."""
+        if axis is not None and _compat.is_scalar_reduce_with_axis(self, value, axis):
+            return super().reduce(reduce_op, value, None)
+        if axis is None and _compat.is_data_batch_reduce(self, reduce_op, value):
+            return tf.nest.map_structure(lambda v: _compat.largest_local_batch(self, v), value)
+        return super().reduce(reduce_op, value, axis)
