@@ -121,6 +121,9 @@ class Allocation:
             self.produced = variable(tf.constant(0, tf.int64), "hetbatch_batches_produced")
             self.trained = variable(tf.constant(0, tf.int64), "hetbatch_steps_trained")
             self.last_key = variable(tf.constant(-1, tf.int64), "hetbatch_last_key")
+            # Global batches the next iterator drops first (resuming mid-epoch); each
+            # iterator reads it at its first batch, and every train step clears it.
+            self.skip = variable(tf.constant(0, tf.int64), "hetbatch_skip_batches")
         self._next_slot = 1
         self._installed = 0
 
@@ -135,8 +138,23 @@ class Allocation:
         self.starts[slot].assign(tf.constant(start, tf.int64))
 
     def count_trained_step(self):
-        """In the train step (cross-replica context): one more step trained."""
-        return self.trained.assign_add(1)
+        """In the train step (cross-replica context): one more step trained, skip cleared."""
+        return tf.group(self.trained.assign_add(1), self.skip.assign(0))
+
+    def drop_skipped(self, dataset):
+        """Drops the first `skip` global batches of each iterator (read at its first batch)."""
+
+        def scan_fn(state, element):
+            to_skip, position = state
+            to_skip = tf.where(position == 0, self.skip.read_value(), to_skip)
+            return (to_skip, position + 1), (position >= to_skip, element)
+
+        initial = (tf.constant(0, tf.int64), tf.constant(0, tf.int64))
+        return (
+            dataset.scan(initial, scan_fn)
+            .filter(lambda keep, element: keep)
+            .map(lambda keep, element: element)
+        )
 
     def sizes_for_key(self, key):
         """In-graph: the sizes in force for the global batch with this key."""
@@ -214,7 +232,7 @@ def split_global_batches(dataset, allocation, num_replicas, replica_range=None):
     is_tuple = isinstance(dataset.element_spec, tuple)
     if is_tuple:
         dataset = dataset.map(lambda *args: args)  # one structure per element for scan
-    numbered = _sizes_and_check(allocation.number(dataset), allocation)
+    numbered = _sizes_and_check(allocation.number(allocation.drop_skipped(dataset)), allocation)
 
     def to_slices(element, allocated):
         n = batch_dim(element)

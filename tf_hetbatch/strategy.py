@@ -85,6 +85,33 @@ class HeteroMixin:
         self._batch_sizes = tuple(sizes)
         logger.debug("batch sizes set to %s", self._batch_sizes)
 
+    # ----------------------------------------------------------------- resuming ----------------
+    @property
+    def steps_trained(self) -> int:
+        """Training steps run under this strategy (all fits), or as set by `resume_at`."""
+        return int(self._allocation.trained.numpy())
+
+    def resume_at(self, steps_trained: int, skip_batches: int = 0) -> None:
+        """Prepares to resume an interrupted run (used by `tf_hetbatch.ResumableCheckpoint`).
+
+        Args:
+            steps_trained: the global step the checkpoint was written at; multi-worker split
+                switches are keyed to it, so every worker must pass the same value.
+            skip_batches: global batches the next data iterator drops first: the batches of
+                the interrupted epoch that were already trained. Cleared by the next train step.
+
+        Raises:
+            ValueError: negative values.
+        """
+        for name, value in (("steps_trained", steps_trained), ("skip_batches", skip_batches)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(
+                    f"`{name}` must be an int >= 0. Received: {name}={value!r}. Fix: pass the "
+                    "step and the batches of the epoch recorded in the checkpoint."
+                )
+        self._allocation.trained.assign(int(steps_trained))
+        self._allocation.skip.assign(int(skip_batches))
+
     # ----------------------------------------------------------------- timing ------------------
     def read_replica_times(self, reset: bool = False) -> timing.ReplicaTimes:
         """Per-replica compute time, samples and steps accumulated by training steps.
