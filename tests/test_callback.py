@@ -1,0 +1,339 @@
+"""DynamicBatching: static split, measured adjustment, exactness, errors, state and config.
+
+Real strategies on logical CPUs (tests/conftest.py). Replicas are made unequal by
+`ReplicaCost`: on replica k every sample costs `costs[k]` units of device time, as if replica
+k ran on a device `costs[k]` times slower. The cost is a wait (in a `tf.py_function`), not
+arithmetic, on purpose: the logical CPUs share 2 physical cores and one intra-op thread pool,
+and TensorFlow interleaves the replicas' ops, so with an arithmetic cost every replica's
+measured time mixes in the others' work (costs 1:2:4 measured as about 1:1.2:1.6, and the
+balanced split is no longer 4:2:1). `py_function`s of the replicas run one at a time (as
+under the stock MirroredStrategy), so each replica's compute time is its own cost.
+"""
+
+import json
+import re
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_hetbatch as hb
+from helpers import build_under, dense_model, max_weight_diff, regression_data
+from tf_hetbatch.controllers import ControllerState
+
+COSTS = (1, 2, 4)
+GLOBAL_BATCH = 84
+SECONDS_PER_SAMPLE = 2.5e-4  # one cost unit: the even split's replicas take 7, 14 and 28 ms
+BALANCED = (48, 24, 12)  # equal finish times for costs 1:2:4
+
+
+class ReplicaCost(keras.layers.Layer):
+    """Identity in value; in training, replica k spends costs[k] * unit seconds per sample."""
+
+    def __init__(self, costs, unit=SECONDS_PER_SAMPLE, **kwargs):
+        super().__init__(**kwargs)
+        self.costs = tuple(float(c) for c in costs)
+        self.unit = float(unit)
+
+    def call(self, x, training=None):
+        if not training:
+            return x
+        ctx = tf.distribute.get_replica_context()
+        replica = ctx.replica_id_in_sync_group if ctx is not None else 0
+        cost = tf.gather(tf.constant(self.costs, tf.float64), replica)
+
+        def spend(cost, samples):
+            time.sleep(float(cost) * int(samples) * self.unit)
+            return np.float32(0.0)
+
+        token = tf.py_function(spend, [cost, tf.shape(x)[0]], tf.float32)
+        token.set_shape([])
+        return x + 0.0 * token
+
+
+def cost_model(costs=COSTS, seed=1):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([
+        keras.Input((8,)),
+        ReplicaCost(costs),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(1),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+def cost_dataset(batch=GLOBAL_BATCH):
+    x, _ = regression_data(n=batch * 8)
+    return tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(
+        batch, drop_remainder=True).repeat()
+
+
+def imbalance(window):
+    t = np.asarray(window["time_per_step"])
+    return float(t.max() / t.min())
+
+
+class CyclingController:
+    """A deterministic test controller: each update moves to the next split of `splits`."""
+
+    def __init__(self, splits):
+        self.splits = [tuple(int(v) for v in s) for s in splits]
+
+    def init(self, sizes):
+        total = int(sum(sizes))
+        return ControllerState(total, list(sizes), [0] * len(sizes), [total] * len(sizes))
+
+    def update(self, state, sizes, times):
+        new = self.splits[state.updates % len(self.splits)]
+        return new, state.replace(sizes=list(new), updates=state.updates + 1,
+                                  reason=f"cycle step {state.updates}")
+
+    def get_config(self):
+        return {"splits": [list(s) for s in self.splits]}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+# --------------------------------------------------------------------------- end to end ---
+def test_defaults_converge_towards_the_cheap_replica_and_improve_balance(cpus):
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    model = build_under(strategy, cost_model)
+    callback = hb.DynamicBatching()  # initial="flops": identical logical CPUs -> even split
+    model.fit(cost_dataset(), steps_per_epoch=75, epochs=1, shuffle=False, verbose=0,
+              callbacks=[callback])
+
+    initial = callback.history[0]
+    assert initial["new"] == [28, 28, 28] and initial["reason"].startswith("initial split")
+    sizes = callback.batch_sizes
+    assert sum(sizes) == GLOBAL_BATCH and strategy.batch_sizes == sizes
+    # The order follows the costs, and the split is close to equal finish times (4:2:1).
+    assert sizes[0] > sizes[1] > sizes[2], callback.history
+    assert np.max(np.abs(np.subtract(sizes, BALANCED))) <= 4, callback.history
+    # Balance: the even split's window against the last windows of the new split.
+    first = callback.windows[0]
+    assert first["samples_per_step"] == [28.0, 28.0, 28.0]
+    rebalanced = [w for w in callback.windows[1:]
+                  if all(v == int(v) for v in w["samples_per_step"])]  # no straddling window
+    assert rebalanced, callback.windows
+    assert imbalance(first) > 2.5  # 7 : 14 : 28 ms
+    assert imbalance(rebalanced[-1]) < 1.3, callback.windows
+    assert np.median([imbalance(w) for w in callback.windows[-3:]]) < 1.3, callback.windows
+    # The state of a real controller survives JSON and restores identically.
+    state = json.loads(json.dumps(callback.get_state()))
+    restored = hb.DynamicBatching()
+    restored.set_state(state)
+    assert restored.get_state() == state
+    assert restored.batch_sizes == sizes
+
+
+def test_probe_split_follows_measured_throughput(cpus):
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    model = build_under(strategy, cost_model)
+    callback = hb.DynamicBatching(initial="probe", warmup_steps=3, probe_steps=6, interval=1000)
+    model.fit(cost_dataset(), steps_per_epoch=12, epochs=1, shuffle=False, verbose=0,
+              callbacks=[callback])
+
+    (entry,) = callback.history
+    assert entry["step"] == 9 and entry["old"] == [28, 28, 28]
+    assert "probed samples/s" in entry["reason"]
+    sizes = callback.batch_sizes
+    assert sum(sizes) == GLOBAL_BATCH and sizes[0] > sizes[1] > sizes[2], entry
+
+
+def test_training_stays_exact_while_the_split_changes(cpus):
+    x, y = regression_data()  # 320 samples, global batch 32: 10 steps per epoch
+    splits = [(20, 8, 4), (4, 8, 20), (11, 0, 21), (1, 30, 1)]
+    ref = build_under(None, dense_model)
+    ref.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    ours = build_under(strategy, dense_model)
+    callback = hb.DynamicBatching(initial=[10, 12, 10], controller=CyclingController(splits),
+                                  min_sizes=0, warmup_steps=1, interval=2)
+    ours.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0, callbacks=[callback])
+
+    assert max_weight_diff(ref, ours) <= 1e-5
+    changes = callback.history[1:]
+    assert len(changes) >= 4, callback.history
+    assert [tuple(c["new"]) for c in changes[:4]] == splits
+    applied = {tuple(w["samples_per_step"]) for w in callback.windows}
+    assert len(applied & {tuple(map(float, s)) for s in splits}) >= 2, callback.windows
+    # A window that straddles a change is never fed to the controller.
+    for w in callback.windows:
+        if w["used"]:
+            assert all(float(v) == int(v) for v in w["samples_per_step"]), w
+
+
+def test_explicit_initial_sizes_are_applied(cpus):
+    x, y = regression_data()
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    model = build_under(strategy, dense_model)
+    callback = hb.DynamicBatching(initial=[4, 8, 20], warmup_steps=100)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    assert strategy.batch_sizes == callback.batch_sizes == (4, 8, 20)
+    assert callback.history == [{"step": 0, "old": [11, 11, 10], "new": [4, 8, 20],
+                                 "reason": "initial split: given sizes"}]
+    assert callback.windows == []  # warm-up never ended: nothing measured, nothing changed
+    times = strategy.read_replica_times()
+    np.testing.assert_array_equal(times.samples_per_step, [4, 8, 20])  # from the first step
+
+
+def test_unknown_global_batch_defers_the_static_split_to_the_first_window(cpus):
+    x, y = regression_data()
+
+    def global_batches():  # a generator: tf.data cannot infer the batch size
+        for i in range(0, len(x), 32):
+            yield x[i:i + 32], y[i:i + 32]
+
+    spec = (tf.TensorSpec([None, 8], tf.float32), tf.TensorSpec([None, 1], tf.float32))
+    data = tf.data.Dataset.from_generator(global_batches, output_signature=spec)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    model = build_under(strategy, dense_model)
+    callback = hb.DynamicBatching(initial="flops", warmup_steps=1, interval=3)
+    model.fit(data, epochs=1, verbose=0, callbacks=[callback])
+    first = callback.history[0]
+    assert first["step"] == 4 and first["reason"].startswith("initial split: proportional")
+    assert first["new"] == [11, 11, 10]  # identical logical CPUs: the even split of B = 32
+    assert callback.windows[0]["used"] is False  # gave B; not fed to the controller
+    assert sum(callback.batch_sizes) == 32
+
+
+def test_explicit_initial_sizes_of_the_wrong_length_fail_in_fit(cpus):
+    x, y = regression_data(n=64)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    model = build_under(strategy, dense_model)
+    with pytest.raises(ValueError, match=re.escape("one batch size per replica (3)")):
+        model.fit(x, y, batch_size=32, verbose=0,
+                  callbacks=[hb.DynamicBatching(initial=[16, 16])])
+
+
+@pytest.mark.parametrize("where", ["no_strategy", "stock_mirrored"])
+def test_without_a_hetero_strategy_fails_naming_the_fix(cpus, where):
+    strategy = None if where == "no_strategy" else tf.distribute.MirroredStrategy(cpus[:1])
+    model = build_under(strategy, dense_model)
+    x, y = regression_data(n=64)
+    with pytest.raises(ValueError, match=r"HeteroMirroredStrategy\(\)\.scope\(\)") as err:
+        model.fit(x, y, batch_size=32, verbose=0, callbacks=[hb.DynamicBatching()])
+    name = "_DefaultDistributionStrategy" if strategy is None else "MirroredStrategy"
+    assert name in str(err.value)
+
+
+# --------------------------------------------------------------------------- arguments ----
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(initial="fast"), ValueError, "initial='fast'"),
+    (dict(initial=[]), TypeError, "initial=[]"),
+    (dict(initial=[4, -1]), ValueError, "must be >= 0"),
+    (dict(initial=[0, 0]), ValueError, "initial=[0, 0]"),
+    (dict(initial=[2.5, 3]), ValueError, "whole numbers"),
+    (dict(controller="pid"), ValueError, "controller='pid'"),
+    (dict(controller=object()), TypeError, "init(sizes) and update("),
+    (dict(min_sizes=-1), ValueError, "min_sizes=-1"),
+    (dict(min_sizes=None), ValueError, "min_sizes=None"),
+    (dict(max_sizes=0), ValueError, "max_sizes=0"),
+    (dict(max_sizes=[4, "8"]), ValueError, "max_sizes=[4, '8']"),
+    (dict(warmup_steps=-1), ValueError, "warmup_steps=-1"),
+    (dict(interval=0), ValueError, "interval=0"),
+    (dict(interval=2.5), ValueError, "interval=2.5"),
+    (dict(probe_steps=0), ValueError, "probe_steps=0"),
+    (dict(log_dir=""), ValueError, "log_dir=''"),
+    (dict(verbose=-1), ValueError, "verbose=-1"),
+    (dict(controller=hb.ModelBasedController(min_sizes=2), min_sizes=4), ValueError,
+     "min_sizes=4 and a controller with min_sizes=2"),
+])
+def test_bad_constructor_arguments_fail_naming_the_value(kwargs, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        hb.DynamicBatching(**kwargs)
+
+
+def test_unknown_or_positional_arguments_are_type_errors():
+    with pytest.raises(TypeError, match="intervall"):
+        hb.DynamicBatching(intervall=3)
+    with pytest.raises(TypeError):
+        hb.DynamicBatching("probe")
+
+
+def test_bad_state_fails_naming_the_fix():
+    callback = hb.DynamicBatching()
+    with pytest.raises(ValueError, match=re.escape("get_state()")):
+        callback.set_state({"batch_sizes": [1, 2]})
+
+
+# --------------------------------------------------------------------------- state ---------
+def test_restored_state_resumes_with_the_saved_split_and_controller(cpus):
+    x, y = regression_data()
+    splits = [(20, 8, 4), (4, 8, 20), (6, 6, 20)]
+
+    def run(callback, epochs):
+        strategy = hb.HeteroMirroredStrategy(cpus[:3])
+        model = build_under(strategy, dense_model)
+        model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[callback])
+        return strategy
+
+    first = hb.DynamicBatching(initial="uniform", controller=CyclingController(splits),
+                               warmup_steps=1, interval=3)
+    run(first, epochs=1)  # windows end at steps 4, 7, 10
+    state = json.loads(json.dumps(first.get_state()))
+    assert state["batch_sizes"] == list(first.batch_sizes) != [11, 11, 10]
+    assert state["global_step"] == 10
+
+    # A fresh callback (as in a new process) built with another initial split: ignored.
+    second = hb.DynamicBatching(initial=[30, 1, 1], controller=CyclingController(splits),
+                                warmup_steps=100)
+    second.set_state(state)
+    strategy = run(second, epochs=1)
+    assert strategy.batch_sizes == tuple(state["batch_sizes"])
+    np.testing.assert_array_equal(strategy.read_replica_times().samples_per_step,
+                                  state["batch_sizes"])  # from the very first step
+    assert second.history == state["history"]  # no new static split
+    assert second.get_state()["global_step"] == 20
+
+    # The controller continues from its saved state: the next update is the next split.
+    third = hb.DynamicBatching(controller=CyclingController(splits), warmup_steps=1,
+                               interval=2)
+    third.set_state(state)
+    run(third, epochs=1)
+    updates = state["controller_state"]["updates"]
+    assert third.history[len(state["history"])]["new"] == list(splits[updates % len(splits)])
+
+
+def test_second_fit_continues_without_a_new_static_split(cpus):
+    x, y = regression_data(n=96)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    model = build_under(strategy, dense_model)
+    callback = hb.DynamicBatching(initial=[4, 8, 20], warmup_steps=100)
+    for _ in range(2):
+        model.fit(x, y, batch_size=32, verbose=0, callbacks=[callback])
+    assert len(callback.history) == 1
+    assert strategy.batch_sizes == (4, 8, 20)
+
+
+# --------------------------------------------------------------------------- config --------
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(initial="probe", controller="proportional", min_sizes=2, max_sizes=[40, 40, 40],
+         warmup_steps=0, interval=3, probe_steps=4, log_dir="logs", verbose=1),
+    dict(initial=[4, 8, 20], controller=hb.ModelBasedController(dead_band=0.1, min_sizes=2)),
+])
+def test_get_config_round_trip(kwargs):
+    callback = hb.DynamicBatching(**kwargs)
+    config = callback.get_config()
+    assert json.loads(json.dumps(config)) == config
+    clone = hb.DynamicBatching.from_config(config)
+    assert clone.get_config() == config
+    assert type(clone.controller) is type(callback.controller)
+    assert clone.controller.get_config() == callback.controller.get_config()
+
+
+def test_get_config_of_a_custom_controller_needs_custom_objects():
+    callback = hb.DynamicBatching(controller=CyclingController([(1, 2)]))
+    config = callback.get_config()
+    with pytest.raises(ValueError, match="custom_objects"):
+        hb.DynamicBatching.from_config(config)
+    clone = hb.DynamicBatching.from_config(
+        config, custom_objects={"CyclingController": CyclingController})
+    assert clone.controller.splits == [(1, 2)]

@@ -1,0 +1,628 @@
+"""DynamicBatching: the Keras callback that splits the global batch and keeps it balanced.
+
+At the start of `fit` it sets a static split of the global batch B (from the devices' nominal
+FLOP/s, a short measured probe, evenly, or as given); then, every `interval` steps after a
+warm-up, it reads the per-replica compute times the strategy measured over the window, feeds
+them to a controller (`tf_hetbatch.controllers`) and applies the controller's new split with
+`strategy.set_batch_sizes`. The global batch never changes, so neither does the maths.
+
+Multi-worker: `read_replica_times`, `gather_replica_values` and `set_batch_sizes` are
+collectives there. This callback calls them at the same steps on every worker, with no
+chief-only branch around them; the controllers are deterministic, so every worker computes
+the same split from the same gathered measurements. Only writing (dashboards, the PNG) and
+cluster-wide log lines are chief-only.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import os
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_hetbatch import controllers as _controllers
+from tf_hetbatch import devices as _devices
+from tf_hetbatch import split as _split
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DynamicBatching", "device_capacities"]
+
+_INITIAL_MODES = ("flops", "probe", "uniform")
+_CONTROLLERS = {
+    "model": _controllers.ModelBasedController,
+    "proportional": _controllers.ProportionalController,
+}
+_STATE_FORMAT = "tf_hetbatch.DynamicBatching/1"
+_MAX_WINDOWS_KEPT = 10_000
+
+Bounds = Union[int, Sequence[int], None]
+
+
+class DynamicBatching(keras.callbacks.Callback):
+    """Sets and keeps adjusting the per-replica split of the global batch during `fit`.
+
+    Use it with a model created under a tf_hetbatch strategy (`HeteroMirroredStrategy` or
+    `HeteroMultiWorkerMirroredStrategy`). The data stays batched by the global batch size B;
+    only its split b_1..b_K (sum B) changes, and each replica's gradient is weighted by b_k / B,
+    so every update is the one a single device would make on the whole global batch.
+
+    Order of events, identical on every worker:
+    1. `on_train_begin`: the static split (see `initial`) is applied, unless a previous `fit`
+       or `set_state` already gave a split, which is then re-applied instead. When B is not
+       known yet (data of unknown batch size), the static split waits for the first window,
+       which gives B as the measured samples per step.
+    2. The first `warmup_steps` steps of every `fit` (tracing) are not measured.
+    3. Then every `interval` steps (`probe_steps` for the probe) one window ends: the
+       strategy's per-replica means of samples/step and compute seconds/step over the window
+       go to `controller.update`, and a changed split is applied. A change reaches the
+       replicas 2 to 4 steps later (the input pipeline prefetches), so the first window after
+       a change is used only if every replica's samples/step equals the new split.
+
+    The same measurements always give the same split (controllers are pure functions of their
+    state and inputs), so runs are reproducible up to timing noise.
+
+    Args:
+        initial: the static split. `"flops"` (default): proportional to each replica device's
+            nominal peak FLOP/s (`tf_hetbatch.devices`; identical devices give the even
+            split). `"probe"`: `probe_steps` measured steps on the even split, then
+            proportional to the measured throughputs. `"uniform"`: the even split. Or a list
+            of K ints summing to B.
+        controller: `"model"` (default, `ModelBasedController`), `"proportional"`
+            (`ProportionalController`), or a controller object with `init(sizes)` and
+            `update(state, sizes, times) -> (sizes, state)` (it keeps its own bounds).
+        min_sizes: smallest batch per replica, int or one int per replica. Default 1.
+        max_sizes: largest batch per replica, int, one int per replica, or None (B).
+        warmup_steps: steps at the start of every `fit` left unmeasured (tracing). Default 5.
+        interval: steps per measurement window (>= 1). Default 10.
+        probe_steps: steps measured by `initial="probe"` (>= 1). Default 10.
+        log_dir: when set, the chief writes the balance dashboards there (`BalanceWriter`:
+            runs `<log_dir>/hetbatch/replica_<k>` and `<log_dir>/hetbatch/cluster`, next to
+            `keras.callbacks.TensorBoard(log_dir)`), and at the end of training, if matplotlib
+            is installed, the PNG `<log_dir>/hetbatch_balance.png`.
+        verbose: 0 logs changes at DEBUG, 1 at INFO (through `logging`, never printed).
+
+    Attributes:
+        history: list of dicts `{"step", "old", "new", "reason"}`, one per split applied
+            (the first is the initial split).
+        windows: list of dicts `{"step", "samples_per_step", "time_per_step", "step_time",
+            "used"}`, one per measured window (in memory only, the last 10000).
+        controller_state: the controller's current state (None before the first split).
+        batch_sizes: the split applied last (None before the first split).
+
+    Raises:
+        ValueError, TypeError: on invalid arguments (when constructed), and in `fit` when the
+            model is not under a tf_hetbatch strategy or the split does not fit the data.
+
+    Example:
+        >>> import keras, numpy as np, tf_hetbatch as hb
+        >>> strategy = hb.HeteroMirroredStrategy(["/cpu:0"])
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        ...     model.compile(optimizer="sgd", loss="mse")
+        >>> x = np.zeros((64, 4), "float32")
+        >>> cb = hb.DynamicBatching(warmup_steps=1, interval=2)
+        >>> _ = model.fit(x, x[:, :1], batch_size=16, epochs=1, verbose=0, callbacks=[cb])
+        >>> cb.batch_sizes
+        (16,)
+    """
+
+    def __init__(
+        self,
+        *,
+        initial: Union[str, Sequence[int]] = "flops",
+        controller: Any = None,
+        min_sizes: Bounds = 1,
+        max_sizes: Bounds = None,
+        warmup_steps: int = 5,
+        interval: int = 10,
+        probe_steps: int = 10,
+        log_dir: Optional[Union[str, os.PathLike]] = None,
+        verbose: int = 0,
+    ) -> None:
+        super().__init__()
+        self.initial = _check_initial(initial)
+        self.min_sizes = _check_bounds("min_sizes", min_sizes, allow_none=False)
+        self.max_sizes = _check_bounds("max_sizes", max_sizes, allow_none=True)
+        self.controller = _make_controller(controller, self.min_sizes, self.max_sizes)
+        self._controller_arg = controller if isinstance(controller, str) or controller is None \
+            else None
+        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0, "e.g. 5")
+        self.interval = _check_int("interval", interval, 1, "e.g. 10")
+        self.probe_steps = _check_int("probe_steps", probe_steps, 1, "e.g. 10")
+        if log_dir is not None and (not isinstance(log_dir, (str, os.PathLike))
+                                    or not os.fspath(log_dir)):
+            raise ValueError("`log_dir` must be a non-empty path such as 'logs', or None for no "
+                             f"dashboards. Received: log_dir={log_dir!r}")
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        if isinstance(verbose, bool) or not isinstance(verbose, numbers.Integral) or verbose < 0:
+            raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+        self.verbose = int(verbose)
+
+        # Persistent state (get_state / set_state).
+        self.history: List[Dict[str, Any]] = []
+        self.controller_state = None
+        self._sizes: Optional[Tuple[int, ...]] = None
+        self._global_step = 0
+        self._num_windows = 0
+        # Per-fit state.
+        self.windows: List[Dict[str, Any]] = []
+        self._strategy = None
+        self._writer = None
+        self._capacities: Optional[np.ndarray] = None
+        self._fit_step = 0
+        self._window_steps = 0
+        self._window_wall = 0.0
+        self._batch_start = 0.0
+        self._measuring = False
+        self._first_after_change = False
+
+    # ------------------------------------------------------------------ public state ------
+    @property
+    def batch_sizes(self) -> Optional[Tuple[int, ...]]:
+        """The split applied last, in replica order (None before the first split)."""
+        return self._sizes
+
+    def get_state(self) -> Dict[str, Any]:
+        """The callback's state as a JSON-serialisable dict, for checkpoints (see `set_state`).
+
+        Returns:
+            A dict with the format tag, the current split, the controller state, the history
+            of changes and the step counters.
+        """
+        return {
+            "format": _STATE_FORMAT,
+            "batch_sizes": None if self._sizes is None else list(self._sizes),
+            "controller_state": None if self.controller_state is None
+            else self.controller_state.to_dict(),
+            "history": [_plain_entry(e) for e in self.history],
+            "global_step": int(self._global_step),
+            "windows": int(self._num_windows),
+        }
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        """Restores a state from `get_state`, e.g. when resuming from a checkpoint.
+
+        The next `fit` re-applies the saved split (no new static split) and continues the
+        controller from the saved state. Call it before `fit`, on every worker.
+
+        Args:
+            state: a dict from `get_state()` (possibly through JSON).
+
+        Raises:
+            ValueError: if `state` is not such a dict.
+        """
+        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+            raise ValueError(
+                f"`state` must be a dict from DynamicBatching.get_state() (format "
+                f"{_STATE_FORMAT!r}). Received: {_split._fmt(state)}")
+        sizes, ctrl = state.get("batch_sizes"), state.get("controller_state")
+        if (sizes is None) != (ctrl is None):
+            raise ValueError("`state` must have both `batch_sizes` and `controller_state`, or "
+                             f"neither. Received: batch_sizes={_split._fmt(sizes)}, "
+                             f"controller_state={_split._fmt(ctrl)}")
+        if sizes is not None:
+            sizes = _split.validate_sizes(sizes, len(sizes))
+            restore = getattr(self.controller, "state_from_dict",
+                              _controllers.ControllerState.from_dict)
+            ctrl = restore(ctrl)
+            if tuple(int(v) for v in ctrl.sizes) != sizes:
+                raise ValueError(
+                    "`state` is inconsistent: batch_sizes must equal the controller state's "
+                    f"sizes. Received: batch_sizes={list(sizes)}, controller sizes="
+                    f"{list(ctrl.sizes)}")
+        self._sizes = sizes
+        self.controller_state = ctrl
+        self.history = [dict(e) for e in state.get("history", [])]
+        self._global_step = _check_int("global_step", state.get("global_step", 0), 0, "")
+        self._num_windows = _check_int("windows", state.get("windows", 0), 0, "")
+
+    def get_config(self) -> Dict[str, Any]:
+        """Constructor arguments as a JSON-serialisable dict (see `from_config`)."""
+        if self._controller_arg is not None:
+            controller = self._controller_arg
+        elif self.controller is not None and hasattr(self.controller, "get_config"):
+            controller = {"class_name": type(self.controller).__name__,
+                          "config": self.controller.get_config()}
+        else:
+            raise ValueError(
+                f"The controller {type(self.controller).__name__} has no get_config(), so this "
+                "callback cannot be serialised. Fix: give the controller get_config() and "
+                "from_config(), or pass controller='model' or 'proportional'.")
+        return {
+            "initial": self.initial if isinstance(self.initial, str) else list(self.initial),
+            "controller": controller,
+            "min_sizes": _plain_bounds(self.min_sizes),
+            "max_sizes": _plain_bounds(self.max_sizes),
+            "warmup_steps": self.warmup_steps,
+            "interval": self.interval,
+            "probe_steps": self.probe_steps,
+            "log_dir": self.log_dir,
+            "verbose": self.verbose,
+        }
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any],
+                    custom_objects: Optional[Mapping[str, type]] = None) -> "DynamicBatching":
+        """Rebuilds a callback from `get_config()`.
+
+        Args:
+            config: the dict from `get_config()`.
+            custom_objects: class name -> class, for controllers other than the built-in ones.
+
+        Raises:
+            ValueError: if the controller class is unknown.
+        """
+        config = dict(config)
+        controller = config.get("controller")
+        if isinstance(controller, Mapping):
+            classes = {c.__name__: c for c in _CONTROLLERS.values()}
+            classes.update(custom_objects or {})
+            name = controller.get("class_name")
+            if name not in classes:
+                raise ValueError(
+                    f"Unknown controller class {name!r} in the config. Fix: pass "
+                    f"custom_objects={{{name!r}: TheClass}} to DynamicBatching.from_config.")
+            config["controller"] = classes[name].from_config(controller.get("config", {}))
+        return cls(**config)
+
+    # ------------------------------------------------------------------ Keras hooks -------
+    def on_train_begin(self, logs=None):
+        strategy = _hetero_strategy(self.model)
+        self._strategy = strategy
+        num = strategy.num_replicas_in_sync
+        self._fit_step = 0
+        self._window_steps = 0
+        self._window_wall = 0.0
+        self._measuring = False
+        self._first_after_change = False
+        self.windows = []
+        if strategy.is_chief and self.log_dir is not None:
+            from tf_hetbatch.summaries import BalanceWriter
+
+            self._writer = BalanceWriter(self.log_dir, num)
+        if self.controller_state is not None:
+            self._resume(strategy)
+        else:
+            self._start(strategy)
+        if self.warmup_steps == 0:
+            self._start_window()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._batch_start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        wall = time.perf_counter() - self._batch_start
+        self._fit_step += 1
+        self._global_step += 1
+        if not self._measuring:
+            if self._fit_step >= self.warmup_steps:
+                self._start_window()
+            return
+        self._window_steps += 1
+        self._window_wall += wall
+        length = self.interval if self._static_done else self._first_window_length()
+        if self._window_steps >= length:
+            self._end_window()
+
+    def on_train_end(self, logs=None):
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        writer.close()
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            logger.info("Balance dashboards written under %s (install matplotlib for the PNG).",
+                        self.log_dir)
+            return
+        from tf_hetbatch import plot
+
+        try:
+            png = plot.plot_balance(self.log_dir)
+        except FileNotFoundError:  # no window was measured: nothing to draw
+            logger.info("No balance window measured; no picture written for %s.", self.log_dir)
+            return
+        logger.info("Balance picture of this run: %s", png)
+
+    # ------------------------------------------------------------------ the static split --
+    @property
+    def _static_done(self) -> bool:
+        return self.controller_state is not None
+
+    def _first_window_length(self) -> int:
+        return self.probe_steps if self.initial == "probe" else self.interval
+
+    def _start(self, strategy):
+        """Applies the static split, or prepares it for the first window when B is unknown."""
+        num = strategy.num_replicas_in_sync
+        if not isinstance(self.initial, str) and len(self.initial) != num:
+            raise ValueError(
+                f"`initial` must have one batch size per replica ({num}). Received: "
+                f"initial={list(self.initial)}. Fix: give {num} sizes, or initial='flops'.")
+        if self.initial == "flops":
+            # A collective in multi-worker training: called on every worker, B known or not.
+            self._capacities = device_capacities(strategy)
+        total = strategy.global_batch_size
+        if not isinstance(self.initial, str):
+            self._apply_static(strategy, self.initial, "initial split: given sizes")
+        elif total is None:
+            logger.debug("Global batch size unknown; the static split waits for the first window.")
+        elif self.initial == "probe":
+            self._set_sizes(strategy, _split.split_evenly(total, num))
+        else:
+            self._apply_static(strategy, self._static_split(total, num), self._static_reason())
+
+    def _static_reason(self) -> str:
+        if self.initial == "flops":
+            peaks = ", ".join(f"{c / 1e9:.0f}" for c in self._capacities)
+            return f"initial split: proportional to nominal peak GFLOP/s [{peaks}]"
+        return "initial split: uniform"
+
+    def _static_split(self, total, num, throughputs=None):
+        lo, hi = self._bounds()
+        if self.initial == "flops":
+            return _split.split_proportionally(total, self._capacities, lo, hi)
+        if throughputs is not None:
+            return _split.split_proportionally(total, throughputs, lo, hi)
+        return _split.split_proportionally(total, np.ones(num), lo, hi)
+
+    def _bounds(self):
+        return (getattr(self.controller, "min_sizes", self.min_sizes),
+                getattr(self.controller, "max_sizes", self.max_sizes))
+
+    def _apply_static(self, strategy, sizes, reason):
+        old = strategy.batch_sizes
+        state = self.controller.init(list(sizes))
+        sizes = tuple(int(v) for v in state.sizes)  # init re-splits sizes outside the bounds
+        self.controller_state = state
+        self._set_sizes(strategy, sizes)
+        self._record(old if old is not None else sizes, sizes, reason)
+
+    def _resume(self, strategy):
+        """Re-applies the split of a previous fit or of `set_state`."""
+        num = strategy.num_replicas_in_sync
+        sizes = self._sizes
+        if len(sizes) != num:
+            raise ValueError(
+                f"The saved split has {len(sizes)} replicas but the strategy has {num}. "
+                f"Received: batch_sizes={list(sizes)}. Fix: use a new DynamicBatching (or "
+                "set_state from a run with the same replicas).")
+        total = strategy.global_batch_size
+        if total is not None and total != sum(sizes):
+            raise ValueError(
+                f"The saved split sums to {sum(sizes)} but the data's global batch size is "
+                f"{total}. Received: batch_sizes={list(sizes)}. Fix: batch the data with "
+                f"{sum(sizes)}, or use a new DynamicBatching.")
+        self._set_sizes(strategy, sizes)
+        logger.debug("Resumed with batch sizes %s", list(sizes))
+
+    # ------------------------------------------------------------------ windows -----------
+    def _start_window(self):
+        # Drops what the warm-up steps accumulated (a collective: same step on every worker).
+        self._strategy.read_replica_times(reset=True)
+        self._measuring = True
+        self._window_steps = 0
+        self._window_wall = 0.0
+
+    def _end_window(self):
+        strategy = self._strategy
+        times = strategy.read_replica_times(reset=True)  # a collective, on every worker
+        steps = self._window_steps
+        step_time = self._window_wall / steps
+        self._window_steps = 0
+        self._window_wall = 0.0
+        self._num_windows += 1
+        sizes = np.nan_to_num(times.samples_per_step, nan=0.0)
+        secs = np.nan_to_num(times.time_per_step, nan=0.0)
+        first_after_change, self._first_after_change = self._first_after_change, False
+        settled = self._sizes is not None and np.allclose(sizes, self._sizes, rtol=0, atol=1e-9)
+        used = False
+        if not self._static_done:
+            self._finish_static(strategy, sizes, times)
+        elif first_after_change and not settled:
+            logger.debug("Window ending at step %d straddles a change of split; skipped.",
+                         self._global_step)
+        else:
+            used = True
+            self._control(strategy, sizes, secs)
+        self._log_window(sizes, secs, step_time, used)
+
+    def _finish_static(self, strategy, sizes, times):
+        """The static split from the first window: B (if unknown) and, for a probe, throughput."""
+        num = strategy.num_replicas_in_sync
+        total = strategy.global_batch_size
+        if total is None:
+            total = int(round(float(np.sum(sizes))))
+        if self.initial == "probe":
+            throughput = np.nan_to_num(times.throughput, nan=0.0)
+            if not np.any(throughput > 0):
+                throughput = np.ones(num)
+            rates = ", ".join(f"{x:.0f}" for x in throughput)
+            self._apply_static(strategy, self._static_split(total, num, throughput),
+                               f"initial split: proportional to probed samples/s [{rates}]")
+        else:
+            self._apply_static(strategy, self._static_split(total, num), self._static_reason())
+
+    def _control(self, strategy, sizes, secs):
+        old = self._sizes
+        new, state = self.controller.update(self.controller_state, sizes, secs)
+        self.controller_state = state
+        new = tuple(int(v) for v in new)
+        if new != old:
+            self._set_sizes(strategy, new)
+            self._record(old, new, str(getattr(state, "reason", "controller update")))
+
+    def _set_sizes(self, strategy, sizes):
+        in_effect = strategy.batch_sizes  # the even split until sizes were set
+        strategy.set_batch_sizes(list(sizes))  # a collective, on every worker
+        if in_effect is None or tuple(in_effect) != tuple(sizes):
+            self._first_after_change = True
+        self._sizes = tuple(int(v) for v in sizes)
+
+    def _record(self, old, new, reason):
+        entry = {"step": int(self._global_step), "old": [int(v) for v in old],
+                 "new": [int(v) for v in new], "reason": reason}
+        self.history.append(entry)
+        if self._strategy.is_chief:
+            level = logging.INFO if self.verbose else logging.DEBUG
+            logger.log(level, "step %d: batch split %s -> %s (%s)", entry["step"], entry["old"],
+                       entry["new"], reason)
+            if self._writer is not None:
+                self._writer.log_adjustment(entry["step"], entry["old"], entry["new"], reason)
+
+    def _log_window(self, sizes, secs, step_time, used):
+        window = {"step": int(self._global_step), "samples_per_step": sizes.tolist(),
+                  "time_per_step": secs.tolist(), "step_time": float(step_time), "used": used}
+        self.windows.append(window)
+        del self.windows[:-_MAX_WINDOWS_KEPT]
+        if self._writer is None or not step_time > 0:
+            return
+        if np.any((sizes > 0) & (secs <= 0)):
+            return  # a replica reported samples without time: not a valid window to draw
+        self._writer.log_window(window["step"], window["samples_per_step"],
+                                window["time_per_step"], step_time)
+
+
+# ---------------------------------------------------------------------- device capacities -
+def device_capacities(strategy) -> np.ndarray:
+    """Nominal peak FLOP/s of every replica's device, in replica order.
+
+    Each local replica device is looked up (CPU: `devices.cpu_capability()`; GPU:
+    `tf.config.experimental.get_device_details` -> `devices.gpu_capability`); logical devices
+    that share one physical device share its peak equally. In multi-worker training this is a
+    collective (`strategy.gather_replica_values`): call it on every worker.
+
+    Args:
+        strategy: a tf_hetbatch strategy.
+
+    Returns:
+        float64 array [num_replicas_in_sync] of FLOP/s.
+    """
+    local = [_device_peak(d) for d in strategy.extended.worker_devices]
+    return np.asarray(strategy.gather_replica_values(np.asarray(local, np.float64)), np.float64)
+
+
+def _device_peak(device: str) -> float:
+    spec = tf.DeviceSpec.from_string(device)
+    kind = (spec.device_type or "CPU").upper()
+    index = spec.device_index or 0
+    if kind != "GPU":
+        shared = max(1, len(tf.config.list_logical_devices("CPU")))
+        return _devices.cpu_capability().peak_flops / shared
+    physical = tf.config.list_physical_devices("GPU")
+    logical = max(1, len(tf.config.list_logical_devices("GPU")))
+    if not physical:
+        raise ValueError(f"Replica device {device!r} is a GPU but TensorFlow lists no physical "
+                         "GPU. Fix: use initial='probe' or explicit sizes.")
+    # Virtual GPUs are created in physical order, an equal number on each physical GPU.
+    per = max(1, logical // len(physical))
+    gpu = physical[min(index // per, len(physical) - 1)]
+    details = tf.config.experimental.get_device_details(gpu)
+    capability = _devices.gpu_capability(details.get("device_name", gpu.name),
+                                         details.get("compute_capability"))
+    return capability.peak_flops / per
+
+
+# ---------------------------------------------------------------------- validation --------
+def _hetero_strategy(model):
+    from tf_hetbatch.strategy import HeteroMixin
+
+    strategy = getattr(model, "distribute_strategy", None)
+    if not isinstance(strategy, HeteroMixin):
+        raise ValueError(
+            "DynamicBatching needs a model created under a tf_hetbatch strategy. Received: "
+            f"a model under {type(strategy).__module__}.{type(strategy).__name__}. Fix: create "
+            "and compile the model in `with tf_hetbatch.HeteroMirroredStrategy().scope():`.")
+    return strategy
+
+
+def _check_int(name, value, minimum, hint):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        hint = f", {hint}" if hint else ""
+        raise ValueError(f"`{name}` must be an integer >= {minimum}{hint}. "
+                         f"Received: {name}={value!r}")
+    return int(value)
+
+
+def _check_initial(initial):
+    if isinstance(initial, str):
+        if initial not in _INITIAL_MODES:
+            raise ValueError(
+                f"`initial` must be one of {_INITIAL_MODES} or a list of per-replica batch "
+                f"sizes. Received: initial={initial!r}")
+        return initial
+    if isinstance(initial, bytes) or np.ndim(initial) != 1 or len(initial) == 0:
+        raise TypeError(
+            f"`initial` must be one of {_INITIAL_MODES} or a list of per-replica batch sizes, "
+            f"e.g. [48, 16]. Received: initial={_split._fmt(initial)}")
+    sizes = _split.validate_sizes(initial, len(initial))
+    if sum(sizes) < 1:
+        raise ValueError(f"`initial` sizes must sum to the global batch size (>= 1). "
+                         f"Received: initial={list(sizes)}")
+    return sizes
+
+
+def _check_bounds(name, value, allow_none):
+    if value is None:
+        if allow_none:
+            return None
+        raise ValueError(f"`{name}` must be an integer >= 0 or one integer per replica. "
+                         f"Received: {name}=None")
+    minimum = 1 if name == "max_sizes" else 0
+    items = [value] if np.ndim(value) == 0 else (list(value) if np.ndim(value) == 1 else None)
+    ok = items is not None and len(items) > 0 and all(
+        not isinstance(v, (bool, np.bool_)) and isinstance(v, numbers.Integral) and v >= minimum
+        for v in items)
+    if not ok:
+        raise ValueError(f"`{name}` must be an integer >= {minimum} or a list of such integers, "
+                         f"one per replica. Received: {name}={_split._fmt(value)}")
+    return int(value) if np.ndim(value) == 0 else tuple(int(v) for v in items)
+
+
+def _make_controller(controller, min_sizes, max_sizes):
+    if controller is None or isinstance(controller, str):
+        key = "model" if controller is None else controller
+        if key not in _CONTROLLERS:
+            raise ValueError(
+                f"`controller` must be one of {tuple(_CONTROLLERS)} or a controller object with "
+                f"init() and update(). Received: controller={controller!r}")
+        bounds = dict(min_sizes=_bounds_arg(min_sizes), max_sizes=_bounds_arg(max_sizes))
+        return _CONTROLLERS[key](**bounds)
+    if not (callable(getattr(controller, "init", None))
+            and callable(getattr(controller, "update", None))):
+        raise TypeError(
+            "`controller` must be 'model', 'proportional' or an object with init(sizes) and "
+            "update(state, sizes, times) -> (sizes, state). Received: "
+            f"controller={controller!r} ({type(controller).__name__}).")
+    for name, value in (("min_sizes", min_sizes), ("max_sizes", max_sizes)):
+        if not hasattr(controller, name):
+            continue  # the static split uses the bounds given here
+        own = getattr(controller, name)
+        default = 1 if name == "min_sizes" else None
+        if value != default and _plain_bounds(own) != _plain_bounds(value):
+            raise ValueError(
+                f"`{name}` conflicts with the controller's own bounds. Received: {name}="
+                f"{_split._fmt(value)} and a controller with {name}={_split._fmt(own)}. Fix: "
+                f"set the bounds on the controller only, e.g. ModelBasedController({name}=...).")
+    return controller
+
+
+def _bounds_arg(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _plain_bounds(value):
+    if value is None or np.ndim(value) == 0:
+        return None if value is None else int(value)
+    return [int(v) for v in value]
+
+
+def _plain_entry(entry):
+    return {"step": int(entry["step"]), "old": [int(v) for v in entry["old"]],
+            "new": [int(v) for v in entry["new"]], "reason": str(entry["reason"])}
