@@ -237,10 +237,14 @@ class HeteroMixin:
         accumulators = self._timing if training else None
 
         def replica_fn(*replica_args, **replica_kwargs):
-            replica_args, start_time, samples = _timed_inputs(replica_args, check_nonempty)
             weight = None
             if mode != weighting.NONE:
                 weight = self._replica_weight(_weighting_amount(replica_args[0], mode), total)
+            # The weight depends on every replica's batch, so the step starts once all inputs
+            # are there: compute time then excludes input-delivery skew between replicas.
+            replica_args, start_time, samples = _timed_inputs(
+                replica_args, check_nonempty, [] if weight is None else [weight]
+            )
             step = weighting.ReplicaStep(
                 weight=weight, start_time=start_time, samples=samples, timing=accumulators
             )
@@ -442,8 +446,8 @@ def _has_local_batch_norm(model):
     )
 
 
-def _timed_inputs(replica_args, check_nonempty):
-    """Stamps the step start once the replica's inputs are ready; returns (args, t0, samples)."""
+def _timed_inputs(replica_args, check_nonempty, ready=()):
+    """Stamps the step start once the inputs (and `ready`) are there; returns (args, t0, samples)."""
     tensors = [
         t for t in tf.nest.flatten(replica_args, expand_composites=True) if isinstance(t, tf.Tensor)
     ]
@@ -451,7 +455,7 @@ def _timed_inputs(replica_args, check_nonempty):
         return replica_args, tf.timestamp(), tf.constant(0, tf.int64)
     data = replica_args[0] if replica_args else None
     samples = input_split.batch_dim(keras.utils.unpack_x_y_sample_weight(data)[0])
-    deps = list(tensors)
+    deps = list(tensors) + list(ready)
     if check_nonempty:
         deps.append(
             tf.debugging.assert_positive(
