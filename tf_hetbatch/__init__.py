@@ -21,14 +21,23 @@ _PUBLIC = {
     "ReplicaTimes": "tf_hetbatch.timing",
     # Keras callbacks.
     "DynamicBatching": "tf_hetbatch.callback",
+    "ResumableCheckpoint": "tf_hetbatch.recovery",
+    # Dashboards.
+    "BalanceWriter": "tf_hetbatch.summaries",
+    "plot_balance": "tf_hetbatch.plot",
     # Pure core (numpy only).
     "split_proportionally": "tf_hetbatch.split",
     "split_evenly": "tf_hetbatch.split",
+    "validate_sizes": "tf_hetbatch.split",
     "DeviceCapability": "tf_hetbatch.devices",
     "cpu_capability": "tf_hetbatch.devices",
     "gpu_capability": "tf_hetbatch.devices",
     "ProportionalController": "tf_hetbatch.controllers",
     "ModelBasedController": "tf_hetbatch.controllers",
+    "ControllerState": "tf_hetbatch.controllers",
+    "simulate": "tf_hetbatch.sim",
+    "ClusterModel": "tf_hetbatch.sim",
+    "Slowdown": "tf_hetbatch.sim",
 }
 
 __all__ = [
@@ -36,13 +45,21 @@ __all__ = [
     "HeteroMultiWorkerMirroredStrategy",
     "ReplicaTimes",
     "DynamicBatching",
+    "ResumableCheckpoint",
+    "BalanceWriter",
+    "plot_balance",
     "split_proportionally",
     "split_evenly",
+    "validate_sizes",
     "DeviceCapability",
     "cpu_capability",
     "gpu_capability",
     "ProportionalController",
     "ModelBasedController",
+    "ControllerState",
+    "simulate",
+    "ClusterModel",
+    "Slowdown",
 ]
 
 

@@ -213,3 +213,47 @@ def is_data_batch_reduce(strategy, reduce_op, value):
         and all(isinstance(v, tf.distribute.DistributedValues) for v in flat)
         and called_from_keras_symbolic_build()
     )
+
+
+# --- Where a replica is released from the gradient all-reduce ------------------------------------
+# A replica's time per step is measured from the moment the previous step's gradient all-reduce
+# released it to its next local gradients being ready: its own per-step work (Keras's step
+# overhead, the optimizer update, the input fetch, the forward and backward pass), without the
+# time it waited for slower replicas. Keras's TensorFlow optimizer all-reduces in the private
+# `TFOptimizer._all_reduce_sum_gradients(grads_and_vars)` (replica context); tf_hetbatch wraps it
+# on the one optimizer instance that does the reduce (a LossScaleOptimizer's inner optimizer).
+def wrap_gradient_all_reduce(optimizer, on_reduced):
+    """Wraps `optimizer`'s all-reduce so `on_reduced(reduced_grads)` runs in replica context."""
+    target = getattr(optimizer, "inner_optimizer", optimizer)
+    original = getattr(target, "_all_reduce_sum_gradients", None)
+    if original is None or getattr(target, "_tf_hetbatch_reduce_wrapped", False):
+        return
+    def all_reduce_sum_gradients(grads_and_vars):
+        reduced = original(grads_and_vars)
+        return on_reduced(list(reduced))
+    target._all_reduce_sum_gradients = all_reduce_sum_gradients
+    target._tf_hetbatch_reduce_wrapped = True
+
+
+# --- A resumed (shortened) epoch: Keras runs one extra, empty train step ------------------------
+def undo_iteration_of_exhausted_step(model, iterations_at_begin, steps_trained) -> None:
+    """Resets `optimizer.iterations` after the step that found the shortened epoch's data out.
+
+    A resumed epoch has fewer batches than Keras expects (`fit` takes the epoch length from the
+    data's cardinality), so Keras runs one more train step, whose `get_next` ends the epoch
+    with OutOfRangeError. Under a tf.distribute strategy that step's
+    `optimizer.iterations.assign_add(1)` has no data dependency on the batch and can run
+    before the error (seen with TensorFlow 2.21 / Keras 3.15: iterations one ahead of the
+    steps trained); it would shift learning-rate schedules and Adam's bias correction. Nothing
+    data-dependent runs (gradients, slots, weights, tf_hetbatch's step counter), so only the
+    counter is restored. Local, no collective; the same value on every worker.
+    """
+    if iterations_at_begin is None:
+        return
+    expected = iterations_at_begin + steps_trained
+    optimizer = getattr(model, "optimizer", None)
+    actual = None if optimizer is None else int(optimizer.iterations.numpy())
+    if actual is not None and actual != expected:
+        logger.debug("optimizer.iterations %d after the resumed epoch's exhausted step; "
+                     "reset to %d.", actual, expected)
+        model.optimizer.iterations.assign(expected)

@@ -293,6 +293,10 @@ class DynamicBatching(keras.callbacks.Callback):
         if self.warmup_steps == 0:
             self._start_window()
 
+    def on_epoch_begin(self, epoch, logs=None):
+        # Validation and the epoch boundary are not a replica's work: restart the step clock.
+        self._strategy.restart_step_clock()
+
     def on_train_batch_begin(self, batch, logs=None):
         self._batch_start = time.perf_counter()
 

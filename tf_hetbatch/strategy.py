@@ -116,8 +116,10 @@ class HeteroMixin:
     def read_replica_times(self, reset: bool = False) -> timing.ReplicaTimes:
         """Per-replica compute time, samples and steps accumulated by training steps.
 
-        Compute time runs from a replica's step start (inputs ready) to its local gradients
-        being ready, before the all-reduce. Read between steps (e.g. from a callback).
+        Compute time runs from a replica's step start (when the previous step's all-reduce
+        released it; for the first step of an input pipeline, when its inputs were ready) to
+        its local gradients being ready, before the all-reduce: its own work per step, without
+        waiting for others. Read between steps (e.g. from a callback).
 
         Args:
             reset: if True, subtract what was read, so the next read covers only later steps.
@@ -132,6 +134,15 @@ class HeteroMixin:
             np.stack([local.compute_seconds, local.samples, local.steps], axis=1)
         )
         return timing.ReplicaTimes(rows[:, 0], rows[:, 1], rows[:, 2])
+
+    def restart_step_clock(self) -> None:
+        """Times the next step of each replica from its inputs being ready, not from its release.
+
+        Call it after a pause between training steps (an epoch boundary with validation, a
+        checkpoint), so the pause is not counted as a replica's work. Local: no collective.
+        `DynamicBatching` calls it at every epoch start; each new input pipeline does too.
+        """
+        self._timing.reset_clock()
 
     # ----------------------------------------------------------------- input -------------------
     def experimental_distribute_dataset(self, dataset, options=None):
@@ -150,6 +161,7 @@ class HeteroMixin:
             TypeError: anything but a `tf.data.Dataset`.
         """
         self._check_dataset(dataset)
+        self.restart_step_clock()
         num_replicas = self.num_replicas_in_sync
         replica_range = self._replica_range()
 

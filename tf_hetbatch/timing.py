@@ -1,10 +1,15 @@
 """Per-replica compute time: accumulators and the values read from them.
 
-Each training step, every replica records the time from the start of its step (its inputs
-ready) to its local gradients being ready, before the gradient all-reduce: the time it would
-take alone, which synchronous training hides behind the slowest replica. Times, actual sample
-counts and step counts accumulate on each replica's device in ON_READ variables; Python reads
-them between steps (`HeteroMirroredStrategy.read_replica_times`).
+Each training step, every replica records the time from the start of its step to its local
+gradients being ready, before the gradient all-reduce: the time it would take alone, which
+synchronous training hides behind the slowest replica. A replica's step starts when the
+previous step's all-reduce released it, so its own per-step work outside the forward and
+backward pass counts too (Keras's step overhead, the optimizer update, the input fetch: on a
+throttled machine these are throttled as well), and the time it waited for slower replicas
+does not. The first step after `reset_clock()` (each new input pipeline) starts when the
+replica's inputs and weights are ready instead. Times, actual sample counts and step counts
+accumulate on each replica's device in ON_READ variables; Python reads them between steps
+(`HeteroMirroredStrategy.read_replica_times`).
 """
 
 import dataclasses
@@ -76,6 +81,35 @@ class TimingAccumulators:
                 )
                 for name in ("compute_seconds", "samples", "steps")
             )
+            # When the last gradient all-reduce released each replica (0: not yet).
+            self._release = tf.Variable(
+                tf.zeros([], tf.float64),
+                trainable=False,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                name="hetbatch_release_time",
+            )
+
+    def step_start(self, inputs_ready):
+        """Replica context: the step's start, the previous release if there is one."""
+        previous = self._release.read_value()
+        return tf.where(previous > 0, previous, inputs_ready)
+
+    def record_release(self, reduced):
+        """Replica context: stamps the release once the all-reduced gradients are there."""
+        ready = [t for t in tf.nest.flatten(reduced, expand_composites=True) if t is not None]
+        with tf.control_dependencies(ready):
+            now = tf.timestamp()
+        record = self._release.assign(now)
+        with tf.control_dependencies([record]):
+            return tf.nest.map_structure(
+                lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, reduced
+            )
+
+    def reset_clock(self):
+        """Eager: the next step of each replica starts when its inputs are ready."""
+        for local in self._strategy.experimental_local_results(self._release):
+            local.assign(0.0)
 
     def record(self, seconds, samples):
         """In replica context: adds one step of this replica."""

@@ -132,6 +132,13 @@ def adapt_optimizer(optimizer):
                 grads = _compat.agree_on_finite_gradients(list(grads))
         return original_apply(grads, trainable_variables)
 
+    def on_reduced(grads_and_vars):
+        step = current_step()
+        if step is None or step.timing is None:
+            return grads_and_vars
+        return step.timing.record_release(grads_and_vars)
+
+    _compat.wrap_gradient_all_reduce(optimizer, on_reduced)
     scale_loss.__doc__ = original_scale_loss.__doc__
     apply.__doc__ = original_apply.__doc__
     optimizer.scale_loss = scale_loss
@@ -143,7 +150,8 @@ def _timed_gradients(step, grads):
     ready = [g for g in tf.nest.flatten(grads, expand_composites=True) if g is not None]
     with tf.control_dependencies(ready):
         end_time = tf.timestamp()
-    record = step.timing.record(end_time - step.start_time, step.samples)
+    start_time = step.timing.step_start(step.start_time)
+    record = step.timing.record(end_time - start_time, step.samples)
     with tf.control_dependencies([end_time, record]):
         return [
             None

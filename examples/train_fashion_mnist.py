@@ -1,0 +1,189 @@
+"""Trains a CNN on Fashion-MNIST with a tf_hetbatch strategy: one worker of a cluster, or alone.
+
+Run it as N workers with the launcher (TF_CONFIG set), or on its own (one host, logical CPUs):
+
+    python -m tf_hetbatch.launch --workers 3 --cpus 0.15,0.25,0.6 examples/train_fashion_mnist.py --mode dynamic
+    python examples/train_fashion_mnist.py --replicas 3 --mode even
+
+`--mode even` is the stock behaviour (every replica gets B/K), `--mode static --sizes ...` a
+fixed split, `--mode dynamic` DynamicBatching() with its defaults. The chief prints progress
+and writes a JSON summary to --result.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import fashion_mnist  # noqa: E402
+import tf_hetbatch as hb  # noqa: E402
+
+
+def make_model(kind, filters=16):
+    keras.utils.set_random_seed(7)
+    if kind == "linear":  # communication bound: tiny compute, the all-reduce dominates
+        layers = [keras.layers.Flatten(), keras.layers.Dense(10)]
+    elif kind == "small_cnn":
+        layers = [
+            keras.layers.Conv2D(8, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10),
+        ]
+    else:  # "cnn": per-sample compute outweighs the fixed per-step cost (FINDINGS 7)
+        layers = [
+            keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
+            keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(4),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10),
+        ]
+    model = keras.Sequential([keras.Input((28, 28, 1))] + layers)
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+class Progress(keras.callbacks.Callback):
+    """Chief-only progress lines and per-epoch wall times."""
+
+    def __init__(self, chief, every, total_steps):
+        super().__init__()
+        self.chief, self.every, self.total = chief, every, total_steps
+        self.epoch_times, self.step_times = [], []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start = time.perf_counter()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step_times.append(time.perf_counter() - self._t)
+        if self.chief and self.every and (batch + 1) % self.every == 0:
+            recent = np.median(self.step_times[-self.every:]) * 1e3
+            print(f"  step {batch + 1}/{self.total}  loss {logs['loss']:.3f}  "
+                  f"{recent:.0f} ms/step", flush=True)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_times.append(time.perf_counter() - self._epoch_start)
+        if self.chief:
+            print(f"  epoch {epoch + 1}: {self.epoch_times[-1]:.1f} s, loss {logs['loss']:.3f}, "
+                  f"accuracy {logs['accuracy']:.3f}", flush=True)
+
+
+class ComputeTimes(keras.callbacks.Callback):
+    """Per-replica compute time per step over the run (after warm-up), for the summary."""
+
+    def __init__(self, strategy, warmup):
+        super().__init__()
+        self.strategy, self.warmup, self.step = strategy, warmup, 0
+        self.windows = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        if self.step == self.warmup or (self.step > self.warmup and self.step % 10 == 0):
+            times = self.strategy.read_replica_times(reset=True)  # collective: every worker
+            if self.step > self.warmup:
+                self.windows.append((times.samples_per_step.tolist(), times.time_per_step.tolist()))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=["even", "static", "dynamic"], default="dynamic")
+    parser.add_argument("--sizes", default="", help="per-replica sizes for --mode static")
+    parser.add_argument("--model", choices=["cnn", "small_cnn", "linear"], default="cnn")
+    parser.add_argument("--filters", type=int, default=16, help="conv filters (--model cnn)")
+    parser.add_argument("--batch", type=int, default=128, help="global batch size")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--train-samples", type=int, default=12800)
+    parser.add_argument("--test-samples", type=int, default=10000)
+    parser.add_argument("--steps", type=int, default=0, help="tiny mode: steps per epoch")
+    parser.add_argument("--replicas", type=int, default=0,
+                        help="without TF_CONFIG: logical CPU replicas on this host")
+    parser.add_argument("--log-dir", default="")
+    parser.add_argument("--result", default="")
+    parser.add_argument("--progress-every", type=int, default=25)
+    args = parser.parse_args(argv)
+
+    if "TF_CONFIG" in os.environ:
+        strategy = hb.HeteroMultiWorkerMirroredStrategy()
+    else:
+        cpus = tf.config.list_physical_devices("CPU")
+        n = max(args.replicas, 1)
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration()] * n)
+        strategy = hb.HeteroMirroredStrategy([f"/cpu:{i}" for i in range(n)])
+    chief = strategy.is_chief
+
+    x, y, source = fashion_mnist.load("train", args.train_samples)
+    xt, yt, _ = fashion_mnist.load("test", args.test_samples)
+    if args.steps:
+        x, y = x[: args.steps * args.batch], y[: args.steps * args.batch]
+        xt, yt = xt[: 2 * args.batch], yt[: 2 * args.batch]
+    if chief:
+        print(f"data: {source}; {len(x)} train / {len(xt)} test samples; "
+              f"{strategy.num_replicas_in_sync} replicas; mode {args.mode}", flush=True)
+    # The same order on every worker (no shuffle across epochs would be unusual in real use:
+    # a seeded shuffle gives the same order everywhere too).
+    train = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=1).batch(args.batch)
+    test = tf.data.Dataset.from_tensor_slices((xt, yt)).batch(args.batch)
+
+    if args.mode == "static":
+        strategy.set_batch_sizes([int(s) for s in args.sizes.split(",")])
+    with strategy.scope():
+        model = make_model(args.model, args.filters)
+    steps = len(x) // args.batch + (len(x) % args.batch > 0)
+    progress = Progress(chief, args.progress_every, steps)
+    warmup = min(5, max(steps - 1, 1))
+    times = ComputeTimes(strategy, warmup)
+    callbacks = [progress, times]
+    dynamic = None
+    if args.mode == "dynamic":
+        dynamic = hb.DynamicBatching(log_dir=args.log_dir or None)
+        callbacks.insert(0, dynamic)
+    elif args.log_dir and chief:
+        callbacks.append(keras.callbacks.TensorBoard(args.log_dir))
+    model.fit(train, epochs=args.epochs, verbose=0, callbacks=callbacks)
+    result = model.evaluate(test, verbose=0, return_dict=True)
+
+    last = times.windows[len(times.windows) // 2:] or times.windows
+    balance = [np.mean(t) / np.max(t) for _, t in last if np.max(t) > 0]
+    summary = {
+        "mode": args.mode,
+        "model": args.model,
+        "data": source,
+        "replicas": strategy.num_replicas_in_sync,
+        "global_batch": args.batch,
+        "epoch_seconds": progress.epoch_times,
+        "step_ms_median": float(np.median(progress.step_times[warmup:]) * 1e3),
+        "step_ms_late_median": float(np.median(progress.step_times[len(progress.step_times) // 2:]) * 1e3),
+        "balance_efficiency": float(np.mean(balance)) if balance else None,
+        "final_batch_sizes": list(strategy.batch_sizes or []),
+        "compute_ms_per_step": (np.array(last[-1][1]) * 1e3).tolist() if last else None,
+        "samples_per_step": last[-1][0] if last else None,
+        "test_accuracy": float(result["accuracy"]),
+        "test_loss": float(result["loss"]),
+        "adjustments": len(dynamic.history) if dynamic is not None else 0,
+        "log_dir": args.log_dir,
+    }
+    if chief:
+        print(json.dumps(summary), flush=True)
+        if args.result:
+            with open(args.result, "w") as f:
+                json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""A multi-worker training script for the recovery tests: run by tf_hetbatch.launch.
+
+Trains the dense model of mw_train.py (SGD with momentum, so optimizer state matters) with
+HeteroMultiWorkerMirroredStrategy and a ResumableCheckpoint on deterministic, unshuffled data.
+On launch attempt `--die-attempt` (TF_HETBATCH_RESTART), worker `--die-worker` SIGKILLs itself
+after global step `--die-step`; with `--stop-step` every worker stops training cleanly
+(model.stop_training) after that step. Writes <out>/worker<i>.npz (weights, ids trained in this
+process) and <out>/worker<i>.json (what it resumed from, its first trained step, ...).
+"""
+
+import argparse
+import json
+import os
+import signal
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import mw_train  # noqa: E402  (same directory: on sys.path as the script's own)
+import tf_hetbatch as hb  # noqa: E402
+from tf_hetbatch.recovery import ResumableCheckpoint  # noqa: E402
+
+
+def build(sink=None):
+    model = mw_train.build(sink)
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"])
+    return model
+
+
+class Events(keras.callbacks.Callback):
+    """Records the first trained step; dies or stops at the configured step."""
+
+    def __init__(self, strategy, die_step, stop_step):
+        super().__init__()
+        self.strategy, self.die_step, self.stop_step = strategy, die_step, stop_step
+        self.first_step = None
+        self.steps = 0
+        self.step = 0
+
+    def on_train_begin(self, logs=None):
+        self.step = self.first_step = self.strategy.steps_trained
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        self.steps += 1
+        if self.step == self.die_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.step == self.stop_step:
+            self.model.stop_training = True
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--n", type=int, default=320)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--every", type=int, default=4)
+    parser.add_argument("--keep", type=int, default=2)
+    parser.add_argument("--die-worker", type=int, default=-1)
+    parser.add_argument("--die-attempt", type=int, default=0)
+    parser.add_argument("--die-step", type=int, default=-1)
+    parser.add_argument("--stop-step", type=int, default=-1)
+    parser.add_argument("--dynamic", action="store_true", help="with DynamicBatching")
+    args = parser.parse_args()
+
+    attempt = int(os.environ.get("TF_HETBATCH_RESTART", "0"))
+    strategy = hb.HeteroMultiWorkerMirroredStrategy()
+    index = strategy.cluster_resolver.task_id
+    sink = mw_train.Sink()
+    with strategy.scope():
+        model = build(sink)
+    dynamic = None
+    if args.dynamic:
+        dynamic = hb.DynamicBatching(initial="uniform", warmup_steps=1, interval=3)
+    ckpt = ResumableCheckpoint(args.ckpt, save_every_steps=args.every, keep=args.keep,
+                               dynamic_batching=dynamic)
+    initial_epoch = ckpt.restore(model)
+    restored_sizes = list(strategy.batch_sizes) if strategy.batch_sizes else None
+    restored_dynamic = list(dynamic.batch_sizes) if dynamic and dynamic.batch_sizes else None
+    die = args.die_step if (index == args.die_worker and attempt == args.die_attempt) else -1
+    events = Events(strategy, die, args.stop_step)
+    x, y = mw_train.data(args.n)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
+    callbacks = ([dynamic] if dynamic else []) + [ckpt, events]
+    model.fit(ds, epochs=args.epochs, initial_epoch=initial_epoch, verbose=0,
+              callbacks=callbacks)
+    os.makedirs(args.out, exist_ok=True)
+    np.savez(os.path.join(args.out, f"worker{index}.npz"), *model.get_weights(),
+             ids=np.array(sink.items, dtype=np.int64))
+    with open(os.path.join(args.out, f"worker{index}.json"), "w") as f:
+        json.dump({
+            "attempt": attempt,
+            "restored": ckpt.restored,
+            "initial_epoch": initial_epoch,
+            "first_step": events.first_step,
+            "steps": events.steps,
+            "steps_trained": strategy.steps_trained,
+            "restored_sizes": restored_sizes,
+            "restored_dynamic_sizes": restored_dynamic,
+            "batch_sizes": list(strategy.batch_sizes),
+            "num_replicas": strategy.num_replicas_in_sync,
+            "chief": strategy.is_chief,
+        }, f)
+
+
+if __name__ == "__main__":
+    main()
