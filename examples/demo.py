@@ -5,7 +5,7 @@ uneven core counts, scaled to this machine), trains the same model twice on the 
 once with the even split every stock tf.distribute strategy uses, once with
 `DynamicBatching()`, and prints time per epoch, speedup, balance efficiency and test accuracy.
 
-    python examples/demo.py              # about 3 minutes on 2 cores
+    python examples/demo.py              # about 3-4 minutes on 2 cores
     python examples/demo.py --steps 3    # tiny mode (the test suite runs it)
 """
 
@@ -48,8 +48,9 @@ def run(mode, args, caps, workdir):
     log_dir = os.path.join(workdir, f"logs_{mode}")
     script = [os.path.join(HERE, "train_fashion_mnist.py"), "--mode", mode,
               "--epochs", str(args.epochs), "--train-samples", str(args.train_samples),
+              "--test-samples", str(args.test_samples),
               "--batch", str(args.batch), "--result", result, "--log-dir", log_dir,
-              "--progress-every", "0" if args.steps else "25"]
+              "--progress-every", "0" if args.steps else "20"]
     if args.steps:
         script += ["--steps", str(args.steps)]
     stream = Filtered(sys.stdout, keep_all=args.verbose)
@@ -72,7 +73,8 @@ def main(argv=None):
     parser.add_argument("--caps", default="0.24,0.4,0.96",
                         help="CPU cap per worker (default: 3:5:12 over 1.6 of this machine's 2 CPUs)")
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--train-samples", type=int, default=12800)
+    parser.add_argument("--train-samples", type=int, default=7680)
+    parser.add_argument("--test-samples", type=int, default=3000)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=0, help="tiny mode: steps per epoch")
     parser.add_argument("--timeout", type=float, default=600)
