@@ -216,7 +216,7 @@ def test_without_a_hetero_strategy_fails_naming_the_fix(cpus, where):
     strategy = None if where == "no_strategy" else tf.distribute.MirroredStrategy(cpus[:1])
     model = build_under(strategy, dense_model)
     x, y = regression_data(n=64)
-    with pytest.raises(ValueError, match=r"HeteroMirroredStrategy\(\)\.scope\(\)") as err:
+    with pytest.raises(ValueError, match=r"DynamicBatching needs.*HeteroMirroredStrategy") as err:
         model.fit(x, y, batch_size=32, verbose=0, callbacks=[hb.DynamicBatching()])
     name = "_DefaultDistributionStrategy" if strategy is None else "MirroredStrategy"
     assert name in str(err.value)

@@ -274,5 +274,5 @@ def test_bad_arguments_fail_early_with_the_value_and_the_fix(kwargs, error, matc
 
 def test_restore_needs_a_tf_hetbatch_strategy(tmp_path):
     model = resume_train.build()
-    with pytest.raises(TypeError, match="tf_hetbatch strategy"):
+    with pytest.raises(ValueError, match="tf_hetbatch strategy"):
         ResumableCheckpoint(tmp_path).restore(model)

@@ -28,6 +28,7 @@ import tensorflow as tf
 from tf_hetbatch import controllers as _controllers
 from tf_hetbatch import devices as _devices
 from tf_hetbatch import split as _split
+from tf_hetbatch.strategy import hetero_strategy_of
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +274,7 @@ class DynamicBatching(keras.callbacks.Callback):
 
     # ------------------------------------------------------------------ Keras hooks -------
     def on_train_begin(self, logs=None):
-        strategy = _hetero_strategy(self.model)
+        strategy = hetero_strategy_of(self.model, "DynamicBatching")
         self._strategy = strategy
         num = strategy.num_replicas_in_sync
         self._fit_step = 0
@@ -534,18 +535,6 @@ def _device_peak(device: str) -> float:
 
 
 # ---------------------------------------------------------------------- validation --------
-def _hetero_strategy(model):
-    from tf_hetbatch.strategy import HeteroMixin
-
-    strategy = getattr(model, "distribute_strategy", None)
-    if not isinstance(strategy, HeteroMixin):
-        raise ValueError(
-            "DynamicBatching needs a model created under a tf_hetbatch strategy. Received: "
-            f"a model under {type(strategy).__module__}.{type(strategy).__name__}. Fix: create "
-            "and compile the model in `with tf_hetbatch.HeteroMirroredStrategy().scope():`.")
-    return strategy
-
-
 def _check_int(name, value, minimum, hint):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         hint = f", {hint}" if hint else ""

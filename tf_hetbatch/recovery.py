@@ -34,6 +34,7 @@ import keras
 import numpy as np
 
 from tf_hetbatch import _compat
+from tf_hetbatch.strategy import hetero_strategy_of
 from tf_hetbatch import split as _split
 
 logger = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             ValueError: the model is not built; the checkpoint does not match the model; the
                 workers found different checkpoints (`directory` not shared); a broken pointer.
         """
-        strategy = _hetero_strategy(model)
+        strategy = hetero_strategy_of(model, "ResumableCheckpoint")
         name, meta = _read_latest(self.directory)
         _check_same_on_all_workers(strategy, -1 if meta is None else int(meta["step"]),
                                    self.directory)
@@ -229,7 +230,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
 
     # ------------------------------------------------------------------ Keras hooks -------
     def on_train_begin(self, logs=None):
-        strategy = _hetero_strategy(self.model)
+        strategy = hetero_strategy_of(self.model, "ResumableCheckpoint")
         self._strategy = strategy
         if self.restored is None and not self._wrote and os.path.exists(
                 os.path.join(self.directory, POINTER)):
@@ -499,19 +500,6 @@ def _check_int(name: str, value, example: str) -> int:
         raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}. "
                          f"Fix: {example}.")
     return int(value)
-
-
-def _hetero_strategy(model):
-    from tf_hetbatch.strategy import HeteroMixin
-
-    strategy = getattr(model, "distribute_strategy", None)
-    if not isinstance(strategy, HeteroMixin):
-        raise TypeError(
-            "ResumableCheckpoint needs a model created under a tf_hetbatch strategy. "
-            f"Received: a model under {type(strategy).__module__}.{type(strategy).__name__}. "
-            "Fix: create and compile the model inside `with strategy.scope():` of a "
-            "HeteroMirroredStrategy or HeteroMultiWorkerMirroredStrategy.")
-    return strategy
 
 
 def _check_same_on_all_workers(strategy, step: int, directory: str) -> None:

@@ -415,6 +415,23 @@ class HeteroMirroredStrategy(HeteroMixin, tf.distribute.MirroredStrategy):
         self._init_hetero()
 
 
+def hetero_strategy_of(model, user: str) -> HeteroMixin:
+    """The tf_hetbatch strategy `model` was created under.
+
+    Raises:
+        ValueError: the model is not under a tf_hetbatch strategy (naming `user`, the caller).
+    """
+    strategy = getattr(model, "distribute_strategy", None)
+    if not isinstance(strategy, HeteroMixin):
+        raise ValueError(
+            f"{user} needs a model created under a tf_hetbatch strategy. Received: a model "
+            f"under {type(strategy).__module__}.{type(strategy).__name__}. Fix: create and "
+            "compile the model inside `with strategy.scope():` of a HeteroMirroredStrategy "
+            "or HeteroMultiWorkerMirroredStrategy."
+        )
+    return strategy
+
+
 # --------------------------------------------------------------------- helpers ---------------
 def _is_distributed(value):
     return isinstance(value, tf.distribute.DistributedValues)
