@@ -32,7 +32,9 @@ class HeteroMixin:
         # Set once a model with plain BatchNormalization trains: no replica may get 0 samples.
         self._needs_nonempty_replicas = False
         self._data_global_batch: Optional[int] = None
-        self._timing = timing.TimingAccumulators(self, self._num_local_replicas())
+        self._timing = timing.TimingAccumulators(
+            self, self._num_local_replicas(), from_release=self._time_from_release()
+        )
 
     # ----------------------------------------------------------------- the split ---------------
     @property
@@ -116,10 +118,11 @@ class HeteroMixin:
     def read_replica_times(self, reset: bool = False) -> timing.ReplicaTimes:
         """Per-replica compute time, samples and steps accumulated by training steps.
 
-        Compute time runs from a replica's step start (when the previous step's all-reduce
-        released it; for the first step of an input pipeline, when its inputs were ready) to
-        its local gradients being ready, before the all-reduce: its own work per step, without
-        waiting for others. Read between steps (e.g. from a callback).
+        Compute time runs from a replica's step start to its local gradients being ready,
+        before the all-reduce: its own work per step, without waiting for others. The step
+        starts when every replica's inputs are there on one host, and when the previous
+        all-reduce released the replica across workers (see `tf_hetbatch.timing`). Read
+        between steps (e.g. from a callback).
 
         Args:
             reset: if True, subtract what was read, so the next read covers only later steps.
@@ -363,6 +366,9 @@ class HeteroMixin:
         return local_values
 
     def _keyed_by_step(self):
+        return False
+
+    def _time_from_release(self):
         return False
 
     def _switch_start(self):

@@ -2,12 +2,15 @@
 
 Each training step, every replica records the time from the start of its step to its local
 gradients being ready, before the gradient all-reduce: the time it would take alone, which
-synchronous training hides behind the slowest replica. A replica's step starts when the
-previous step's all-reduce released it, so its own per-step work outside the forward and
-backward pass counts too (Keras's step overhead, the optimizer update, the input fetch: on a
-throttled machine these are throttled as well), and the time it waited for slower replicas
-does not. The first step after `reset_clock()` (each new input pipeline) starts when the
-replica's inputs and weights are ready instead. Times, actual sample counts and step counts
+synchronous training hides behind the slowest replica. Where the step starts:
+- one host (`from_release=False`): when every replica's inputs are there. The work between
+  steps (Keras's loop, the update dispatch) is the host's, shared by all its replicas, so it is
+  no replica's own cost;
+- several workers (`from_release=True`): when the previous step's all-reduce released the
+  replica, so each worker's own per-step work outside the forward and backward pass counts too
+  (Keras's step overhead, the optimizer update, the input fetch: on a throttled machine these
+  are throttled as well), while the time it waited for slower workers does not. The first step
+  after `reset_clock()` (each new input pipeline, each epoch) starts at its inputs instead. Times, actual sample counts and step counts
 accumulate on each replica's device in ON_READ variables; Python reads them between steps
 (`HeteroMirroredStrategy.read_replica_times`).
 """
@@ -67,9 +70,10 @@ class ReplicaTimes:
 class TimingAccumulators:
     """The three ON_READ SUM variables (seconds, samples, steps) of one strategy."""
 
-    def __init__(self, strategy, num_local_replicas):
+    def __init__(self, strategy, num_local_replicas, from_release=False):
         self._strategy = strategy
         self._num_local = num_local_replicas
+        self.from_release = from_release
         with strategy.scope():
             self._vars = tuple(
                 tf.Variable(
@@ -92,11 +96,15 @@ class TimingAccumulators:
 
     def step_start(self, inputs_ready):
         """Replica context: the step's start, the previous release if there is one."""
+        if not self.from_release:
+            return inputs_ready
         previous = self._release.read_value()
         return tf.where(previous > 0, previous, inputs_ready)
 
     def record_release(self, reduced):
         """Replica context: stamps the release once the all-reduced gradients are there."""
+        if not self.from_release:
+            return reduced
         ready = [t for t in tf.nest.flatten(reduced, expand_composites=True) if t is not None]
         with tf.control_dependencies(ready):
             now = tf.timestamp()
