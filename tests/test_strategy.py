@@ -191,6 +191,14 @@ def test_unbatched_and_distributed_data_are_rejected(cpus):
         strategy.experimental_distribute_dataset(distributed)
     with pytest.raises(TypeError, match="tf.data.Dataset"):
         strategy.experimental_distribute_dataset([x, y])
+    per_replica = tf.distribute.InputOptions(
+        experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA,
+        experimental_place_dataset_on_device=False,
+    )
+    with pytest.raises(ValueError, match="PER_WORKER"):
+        strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(32), per_replica
+        )
 
 
 def test_empty_replica_with_plain_batch_norm_is_refused(cpus):

@@ -164,6 +164,13 @@ class HeteroMixin:
             TypeError: anything but a `tf.data.Dataset`.
         """
         self._check_dataset(dataset)
+        mode = getattr(options, "experimental_replication_mode", None)
+        if mode == tf.distribute.InputReplicationMode.PER_REPLICA:
+            raise ValueError(
+                "`options.experimental_replication_mode` must be PER_WORKER: a tf_hetbatch "
+                "strategy splits each worker's stream of global batches itself. Received: "
+                f"{mode}. Fix: tf.distribute.InputOptions() with the default replication mode."
+            )
         self.restart_step_clock()
         num_replicas = self.num_replicas_in_sync
         replica_range = self._replica_range()
