@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tf_hetbatch import plot
+from tf_hetbatch.plot import __main__ as plot_cli
 from test_summaries import NUM_REPLICAS, write_synthetic_balance_run
 
 
@@ -65,7 +66,7 @@ def test_png_is_written_readable_and_shows_every_replica_colour(balance_log, tmp
 
 def test_cli_writes_the_png_and_default_path(balance_log, tmp_path, capsys):
     log_dir, _ = balance_log
-    assert plot.main([log_dir, "--out", str(tmp_path / "cli.png")]) == 0
+    assert plot_cli.main([log_dir, "--out", str(tmp_path / "cli.png")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "cli.png")
     assert (tmp_path / "cli.png").stat().st_size > 10_000
 
@@ -73,7 +74,7 @@ def test_cli_writes_the_png_and_default_path(balance_log, tmp_path, capsys):
 def test_missing_logs_fail_naming_the_dir_and_the_fix(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="DynamicBatching\\(log_dir=...\\)"):
         plot.read_balance(str(tmp_path))
-    assert plot.main([str(tmp_path)]) == 1
+    assert plot_cli.main([str(tmp_path)]) == 1
     assert str(tmp_path) in capsys.readouterr().err
 
 
