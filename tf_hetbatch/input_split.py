@@ -141,21 +141,6 @@ class Allocation:
         """In the train step (cross-replica context): one more step trained, skip cleared."""
         return tf.group(self.trained.assign_add(1), self.skip.assign(0))
 
-    def drop_skipped(self, dataset):
-        """Drops the first `skip` global batches of each iterator (read at its first batch)."""
-
-        def scan_fn(state, element):
-            to_skip, position = state
-            to_skip = tf.where(position == 0, self.skip.read_value(), to_skip)
-            return (to_skip, position + 1), (position >= to_skip, element)
-
-        initial = (tf.constant(0, tf.int64), tf.constant(0, tf.int64))
-        return (
-            dataset.scan(initial, scan_fn)
-            .filter(lambda keep, element: keep)
-            .map(lambda keep, element: element)
-        )
-
     def sizes_for_key(self, key):
         """In-graph: the sizes in force for the global batch with this key."""
         starts = self.starts.read_value()
@@ -165,53 +150,55 @@ class Allocation:
         slot = tf.argmax(tf.where(candidates, self.sequence.read_value(), -1))
         return tf.gather(self.sizes.read_value(), slot)
 
-    def number(self, dataset):
-        """Pairs each global batch with its key (and updates the counters)."""
+    def annotate(self, dataset):
+        """One pass over the global batches: skip, number, look up the split, check.
+
+        Each element becomes (keep, element, sizes):
+        - the first `skip` batches of each iterator (read at its first batch) are not kept
+          (resuming mid-epoch);
+        - every kept batch gets its key (see the class) and the split in force for it;
+        - a short batch (fewer samples than the split sums to) must be the last of the data: a
+          batch after a short one means the data is batched by another size than
+          sum(batch_sizes), an error.
+        """
 
         def scan_fn(state, element):
-            base, position = state
-            produced = self.produced.assign_add(1, read_value=True) - 1
+            position, to_skip, base, previous_short = state
+            to_skip = tf.where(position == 0, self.skip.read_value(), to_skip)
+            keep = position >= to_skip
+            produced = self.produced.assign_add(tf.cast(keep, tf.int64), read_value=True) - 1
             if self.keyed_by_step:
                 base = tf.where(base < 0, self.trained.read_value(), base)
-                key = base + position
+                key = base + position - to_skip
             else:
                 key = produced
-            record = self.last_key.assign(tf.maximum(self.last_key.read_value(), key))
-            with tf.control_dependencies([record]):
-                return (base, position + 1), (key, element)
+            sizes = self.sizes_for_key(key)
+            n = batch_dim(element)
+            total = tf.reduce_sum(tf.cast(sizes, tf.int64))
+            check = tf.debugging.Assert(
+                tf.logical_not(tf.logical_and(keep, previous_short)),
+                [
+                    "A global batch followed a short one: the dataset's batches do not have "
+                    "sum(batch_sizes) samples. Fix: batch the dataset with the global batch "
+                    "size sum(batch_sizes), or call set_batch_sizes() with sizes that sum to "
+                    "the dataset's batch size. [this batch's samples, sum(batch_sizes)]",
+                    n,
+                    total,
+                ],
+            )
+            record = self.last_key.assign(
+                tf.where(keep, tf.maximum(self.last_key.read_value(), key), self.last_key)
+            )
+            with tf.control_dependencies([check, record]):
+                short = tf.logical_or(
+                    previous_short, tf.logical_and(keep, tf.logical_and(total > 0, n < total))
+                )
+                state = (position + 1, to_skip, base, short)
+                return state, (keep, element, sizes)
 
-        initial = (tf.constant(-1, tf.int64), tf.constant(0, tf.int64))
+        zero = tf.constant(0, tf.int64)
+        initial = (zero, zero, tf.constant(-1, tf.int64), tf.constant(False))
         return dataset.scan(initial, scan_fn)
-
-
-def _sizes_and_check(numbered, allocation):
-    """Looks up each batch's sizes and rejects a short batch that is not the last one.
-
-    A short batch (fewer samples than the sizes sum to) must be the last of the data; a batch
-    after a short one means the data is batched by another size than sum(batch_sizes).
-    """
-
-    def scan_fn(previous_short, keyed):
-        key, element = keyed
-        sizes = allocation.sizes_for_key(key)
-        n = batch_dim(element)
-        total = tf.reduce_sum(tf.cast(sizes, tf.int64))
-        check = tf.debugging.Assert(
-            tf.logical_not(previous_short),
-            [
-                "A global batch followed a short one: the dataset's batches do not have "
-                "sum(batch_sizes) samples. Fix: batch the dataset with the global batch size "
-                "sum(batch_sizes), or call set_batch_sizes() with sizes that sum to the "
-                "dataset's batch size. [this batch's samples, sum(batch_sizes)]",
-                n,
-                total,
-            ],
-        )
-        with tf.control_dependencies([check]):
-            short = tf.logical_and(total > 0, n < total)
-            return short, (element, sizes)
-
-    return numbered.scan(tf.constant(False), scan_fn)
 
 
 def split_global_batches(dataset, allocation, num_replicas, replica_range=None):
@@ -229,12 +216,10 @@ def split_global_batches(dataset, allocation, num_replicas, replica_range=None):
         global batch in replica order.
     """
     first, count = replica_range if replica_range is not None else (0, num_replicas)
-    is_tuple = isinstance(dataset.element_spec, tuple)
-    if is_tuple:
-        dataset = dataset.map(lambda *args: args)  # one structure per element for scan
-    numbered = _sizes_and_check(allocation.number(allocation.drop_skipped(dataset)), allocation)
+    annotated = allocation.annotate(dataset).filter(lambda keep, element, sizes: keep)
 
-    def to_slices(element, allocated):
+    def to_slices(keep, element, allocated):
+        del keep
         n = batch_dim(element)
         sizes = sizes_for_batch(n, allocated, num_replicas)
         offsets = tf.cumsum(sizes, exclusive=True)
@@ -247,4 +232,4 @@ def split_global_batches(dataset, allocation, num_replicas, replica_range=None):
 
         return picks.map(take)
 
-    return numbered.flat_map(to_slices)
+    return annotated.flat_map(to_slices)
