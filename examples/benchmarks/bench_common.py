@@ -1,0 +1,182 @@
+"""Shared helpers of the cluster benchmarks: launching `hetero_worker.py`, stats, tables, plots.
+
+Pure Python + numpy (+ matplotlib for the PNGs): importing this module does not import
+TensorFlow, so a benchmark driver stays light while its workers train.
+"""
+
+import datetime
+import io
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tf_hetbatch.launch import launch  # noqa: E402  (pure Python: no TensorFlow)
+
+WORKER = os.path.join(HERE, "hetero_worker.py")
+DEFAULT_OUT_DIR = "/tmp/tf_hetbatch_bench"
+NOISE = ("W0000", "I0000", "E0000", "WARNING: All log", "UserWarning", "data_adapter",
+         "crashed", "/job:", "grpc", "absl::InitializeLog", "cuda", "rebuild TensorFlow",
+         "cpu_feature_guard", "AVX", "Error received from peer", "CoordinationService")
+
+
+class Captured(io.TextIOBase):
+    """Keeps every worker line; echoes the chief's `#`-prefixed progress lines if asked."""
+
+    def __init__(self, echo=True):
+        self.echo, self.lines = echo, []
+
+    def write(self, text):
+        for line in text.splitlines():
+            self.lines.append(line)
+            if self.echo and line.startswith("[worker 0] #"):
+                sys.stdout.write("    " + line[len("[worker 0] #"):].strip() + "\n")
+                sys.stdout.flush()
+        return len(text)
+
+
+def run_cluster(plan, caps, workdir, name, timeout, schedule=None, echo=True, threads=1,
+                cap_after=None):
+    """Runs `hetero_worker.py` with `plan` on len(caps) workers; returns the chief's result dict.
+
+    `plan["t0"]` is set to the wall clock just before the launch, so schedule times (seconds
+    since the workers started) and the workers' step timestamps share one origin.
+
+    `cap_after`: start the workers uncapped (a worker capped at 0.15 CPU needs ~30 s just to
+    import TensorFlow) and apply `caps` by the launcher's schedule `cap_after` seconds after
+    the start; the workers run their `warmup` phase, then wait until `cap_after + 1` s
+    (`plan["start_at"]`) before the measured phases. `schedule` entries (text) are appended.
+    """
+    os.makedirs(workdir, exist_ok=True)
+    plan = dict(plan)
+    plan_path = os.path.join(workdir, f"{name}_plan.json")
+    result_path = os.path.join(workdir, f"{name}_result.json")
+    if os.path.exists(result_path):
+        os.remove(result_path)
+    launch_caps = caps
+    if cap_after is not None and any(c is not None for c in caps):
+        entry = f"{cap_after:g}:" + ",".join(
+            f"{i}={'none' if c is None else f'{c:.4g}'}" for i, c in enumerate(caps))
+        schedule = entry + (";" + schedule if schedule else "")
+        plan["start_at"] = cap_after + 1.0
+        launch_caps = [None] * len(caps)
+    plan["t0"] = time.time()
+    with open(plan_path, "w") as f:
+        json.dump(plan, f)
+    caps = [None if c is None else float(c) for c in caps]
+    stream = Captured(echo)
+    started = time.perf_counter()
+    outcome = launch([WORKER, "--plan", plan_path, "--result", result_path], len(caps),
+                     cpus=launch_caps if any(c is not None for c in launch_caps) else None,
+                     schedule=schedule, threads=threads, timeout=timeout,
+                     stdout=stream, stderr=stream, handle_signals=True)
+    if not outcome.ok or not os.path.exists(result_path):
+        tail = [line for line in stream.lines if not any(n in line for n in NOISE)][-40:]
+        sys.stdout.write("\n".join(tail) + "\n")
+        raise SystemExit(f"{name}: the cluster run failed: {outcome.message}")
+    with open(result_path) as f:
+        result = json.load(f)
+    result["wall_seconds"] = time.perf_counter() - started
+    result["cap_method"] = outcome.cap_method
+    result["caps"] = caps
+    result["schedule"] = schedule
+    return result
+
+
+def stats(values):
+    """min / median / max (and n) of a list of numbers, skipping None/NaN (None if empty)."""
+    arr = np.asarray([v for v in values if v is not None and np.isfinite(v)], dtype=float)
+    if arr.size == 0:
+        return {"min": None, "median": None, "max": None, "n": 0}
+    return {"min": float(arr.min()), "median": float(np.median(arr)), "max": float(arr.max()),
+            "n": int(arr.size)}
+
+
+def fmt_stats(s, scale=1.0, digits=0):
+    """'median (min-max)' of a stats dict."""
+    if not s["n"]:
+        return "-"
+    f = f"{{:.{digits}f}}"
+    if s["n"] == 1:
+        return f.format(s["median"] * scale)
+    return (f"{f.format(s['median'] * scale)} ({f.format(s['min'] * scale)}-"
+            f"{f.format(s['max'] * scale)})")
+
+
+def table(header, rows, align=None):
+    """A markdown table as a list of lines."""
+    align = align or ["---"] + ["---:"] * (len(header) - 1)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def now_utc():
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def environment():
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {"python": platform.python_version(), "numpy": np.__version__,
+            "cpus": os.cpu_count(), "load_average": list(load)}
+
+
+def out_paths(out):
+    """(json path, png path, work dir) for --out (default under /tmp/tf_hetbatch_bench)."""
+    json_path = os.path.abspath(out)
+    os.makedirs(os.path.dirname(json_path), exist_ok=True)
+    stem = os.path.splitext(json_path)[0]
+    workdir = stem + "_work"
+    os.makedirs(workdir, exist_ok=True)
+    return json_path, stem + ".png", workdir
+
+
+def write_json(path, data):
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=_plain)
+    return path
+
+
+def _plain(value):
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value)}")
+
+
+def pyplot():
+    """matplotlib.pyplot with the Agg backend (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def temp_workdir(prefix):
+    return tempfile.mkdtemp(prefix=prefix)
+
+
+def all_finite(obj, path="$"):
+    """Paths of non-finite floats in a nested JSON-like object (for the tests)."""
+    bad = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            bad += all_finite(v, f"{path}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            bad += all_finite(v, f"{path}[{i}]")
+    elif isinstance(obj, float) and not np.isfinite(obj):
+        bad.append(path)
+    return bad

@@ -1,0 +1,283 @@
+"""Multi-worker heterogeneity benchmark: even vs best static vs DynamicBatching vs ideal.
+
+Starts K workers on 127.0.0.1 with CPU caps (default 0.8/0.2: ratio 4:1, cgroup quota with a
+10 ms period) and trains `cnn --filters 32` at B=128 (per-sample compute outweighs the fixed
+per-step cost, FINDINGS 7). IN ONE CLUSTER RUN (`hetero_worker.py`, all phases in one
+process, so conditions are equal), repeated `--repeats` rounds, interleaved:
+
+1. even split (the stock behaviour);
+2. static search: a grid of splits b_k ~ cap_k ** p (p from 0 = even upwards), each set with
+   `set_batch_sizes`, the switch lag skipped, the median step time measured;
+3. the best static split of that round's grid, measured again;
+4. `DynamicBatching(initial="uniform")` from the even split (the source paper's protocol);
+5. `DynamicBatching()` with the library defaults (initial="flops": under cgroup caps the
+   nominal capacity already reflects the caps, so it starts cap-proportional).
+
+From the grid's per-replica busy times it fits t_k = alpha_k + beta_k * b_k and computes the
+ideal step time: the equal-finish split's time under those models plus the measured
+remainder (step time - max busy: all-reduce and fixed per-step work outside the busy time).
+Ratios are speed-ups against the even split of the same round.
+
+Usage:
+    python examples/benchmarks/bench_hetero.py --out /tmp/tf_hetbatch_bench/hetero.json
+    python examples/benchmarks/bench_hetero.py --steps 4     # tiny smoke run (no caps)
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as bc  # noqa: E402
+
+EXPONENTS = (0.5, 1.0, 1.25, 1.5, 2.0, 2.5)
+EXPONENTS_TINY = (1.0, 2.0)
+
+
+def grid_splits(batch, caps, exponents, min_size=1):
+    """Splits b_k ~ cap_k ** p for each exponent p (distinct, each >= min_size)."""
+    from tf_hetbatch.split import split_proportionally  # pure Python
+
+    seen, out = set(), []
+    for p in exponents:
+        sizes = tuple(int(s) for s in split_proportionally(
+            batch, np.asarray(caps, float) ** p, min_sizes=min_size))
+        if sizes not in seen:
+            seen.add(sizes)
+            out.append(list(sizes))
+    return out
+
+
+def make_plan(args, caps, tiny):
+    steps = args.steps if tiny else 24
+    dyn_steps = 16 if tiny else 100
+    grid = grid_splits(args.batch, caps, EXPONENTS_TINY if tiny else EXPONENTS)
+    phases = [{"name": "warmup", "kind": "warmup", "sizes": "even", "steps": 3 if tiny else 10,
+               "skip": 0}]
+    for r in range(1, args.repeats + 1):
+        phases.append({"name": f"even r{r}", "kind": "static", "sizes": "even", "steps": steps})
+        for sizes in grid:
+            phases.append({"name": f"grid r{r} {'/'.join(map(str, sizes))}", "kind": "static",
+                           "sizes": sizes, "steps": steps})
+        phases.append({"name": f"best r{r}", "kind": "static", "sizes": "best",
+                       "best_of": f"grid r{r} ", "steps": steps})
+        phases.append({"name": f"dynamic r{r}", "kind": "dynamic", "initial": "uniform",
+                       "steps": dyn_steps})
+        if not tiny:
+            phases.append({"name": f"dyn-defaults r{r}", "kind": "dynamic", "initial": "flops",
+                           "steps": dyn_steps})
+    return {"task": "phases", "model": args.model, "filters": args.filters,
+            "batch": args.batch, "train_samples": 1280 if tiny else args.train_samples,
+            "seed": args.seed, "phases": phases}, grid
+
+
+def fit_time_models(phases, k):
+    """Least-squares t = alpha + beta * b per replica over static phases' busy times."""
+    rows = [(p["busy"]["samples_per_step"], p["busy"]["time_per_step"]) for p in phases
+            if p["kind"] == "static" and p.get("busy")]
+    alpha, beta = np.zeros(k), np.zeros(k)
+    for j in range(k):
+        b = np.array([r[0][j] for r in rows], float)
+        t = np.array([r[1][j] for r in rows], float)
+        ok = np.isfinite(b) & np.isfinite(t)
+        if ok.sum() >= 2 and np.ptp(b[ok]) > 0:
+            beta[j], alpha[j] = np.polyfit(b[ok], t[ok], 1)
+        elif ok.any():
+            alpha[j], beta[j] = 0.0, float(np.mean(t[ok] / np.maximum(b[ok], 1)))
+    beta = np.maximum(beta, 1e-9)
+    return alpha, beta, len(rows)
+
+
+def equal_finish(alpha, beta, total):
+    """Real-valued split with equal alpha_k + beta_k b_k (replicas that would go < 0 get 0)."""
+    active = np.ones(len(alpha), bool)
+    while True:
+        inv = 1.0 / beta[active]
+        t = (total + np.sum(alpha[active] * inv)) / np.sum(inv)
+        b = np.where(active, (t - alpha) / beta, 0.0)
+        if np.all(b >= -1e-9):
+            return t, b
+        active &= b > 0
+
+
+def analyse(result, caps, batch):
+    phases = [p for p in result["phases"] if p["kind"] != "warmup"]
+    k = len(caps)
+    rounds = sorted({p["name"].split(" r")[-1].split()[0] for p in phases})
+    per_round = []
+    for r in rounds:
+        mine = {p["name"].split(" r")[0]: p for p in phases if p["name"].split(" r")[-1].split()[0] == r
+                and not p["name"].startswith("grid")}
+        even = mine["even"]["step_ms_median"]
+        row = {"round": int(r), "even_ms": even,
+               "best_ms": mine["best"]["step_ms_median"], "best_sizes": mine["best"]["sizes"],
+               "dynamic_ms": mine["dynamic"]["step_ms_median"],
+               "dynamic_sizes": mine["dynamic"]["sizes"],
+               "dynamic_adjustments": mine["dynamic"]["adjustments"]}
+        if "dyn-defaults" in mine:
+            row.update(defaults_ms=mine["dyn-defaults"]["step_ms_median"],
+                       defaults_sizes=mine["dyn-defaults"]["sizes"],
+                       defaults_adjustments=mine["dyn-defaults"]["adjustments"],
+                       defaults_initial=mine["dyn-defaults"]["history"][0]["new"]
+                       if mine["dyn-defaults"]["history"] else None)
+        per_round.append(row)
+    alpha, beta, n_points = fit_time_models(phases, k)
+    remainders = [p["step_ms_median"] / 1e3 - max(p["busy"]["time_per_step"]) for p in phases
+                  if p["kind"] == "static" and p.get("busy")]
+    remainder = float(np.median(remainders)) if remainders else 0.0
+    t_eq, b_eq = equal_finish(alpha, beta, batch)
+    ideal_ms = (t_eq + remainder) * 1e3
+    grid = {}
+    for p in phases:
+        if p["name"].startswith("grid") or p["name"].startswith("even"):
+            grid.setdefault(tuple(p["sizes"]), []).append(p["step_ms_median"])
+    return {
+        "rounds": per_round,
+        "time_model": {"alpha_ms": (alpha * 1e3).tolist(), "beta_ms_per_sample": (beta * 1e3).tolist(),
+                       "points": n_points},
+        "remainder_ms": remainder * 1e3,
+        "ideal_split": b_eq.tolist(), "ideal_busy_ms": t_eq * 1e3, "ideal_ms": ideal_ms,
+        "naive_ceiling": float(sum(caps) / (k * min(caps))) if all(caps) else None,
+        "grid": [{"sizes": list(s), "step_ms": v} for s, v in grid.items()],
+    }
+
+
+def report(a, args, caps, result, when):
+    rounds = a["rounds"]
+    s = {key: bc.stats([r[key] for r in rounds]) for key in
+         ("even_ms", "best_ms", "dynamic_ms") + (("defaults_ms",) if "defaults_ms" in rounds[0] else ())}
+    speed = {key: bc.stats([r["even_ms"] / r[key] for r in rounds]) for key in s}
+    ideal = a["ideal_ms"]
+    lines = [f"bench_hetero, {when}: {len(caps)} workers, caps {caps} ({result['cap_method']}), "
+             f"model {args.model} --filters {args.filters}, B={args.batch}, seed {args.seed}, "
+             f"{len(rounds)} round(s) in one cluster run; median (min-max) over rounds; "
+             f"speed-up = even step time / step time, same round.", ""]
+    rows = [["even split (stock)", bc.fmt_stats(s["even_ms"], digits=1), "1.00", "even"]]
+    rows.append(["best static (grid search)", bc.fmt_stats(s["best_ms"], digits=1),
+                 bc.fmt_stats(speed["best_ms"], digits=2),
+                 " ; ".join(sorted({str(r["best_sizes"]) for r in rounds}))])
+    rows.append(["DynamicBatching(initial='uniform')", bc.fmt_stats(s["dynamic_ms"], digits=1),
+                 bc.fmt_stats(speed["dynamic_ms"], digits=2),
+                 " ; ".join(str(r["dynamic_sizes"]) for r in rounds)
+                 + f" ({'/'.join(str(r['dynamic_adjustments']) for r in rounds)} adj.)"])
+    if "defaults_ms" in s:
+        rows.append(["DynamicBatching() defaults (flops start)",
+                     bc.fmt_stats(s["defaults_ms"], digits=1),
+                     bc.fmt_stats(speed["defaults_ms"], digits=2),
+                     " ; ".join(str(r["defaults_sizes"]) for r in rounds)
+                     + f" (start {rounds[0]['defaults_initial']}, "
+                     f"{'/'.join(str(r['defaults_adjustments']) for r in rounds)} adj.)"])
+    rows.append(["ideal (fitted models + remainder)", f"{ideal:.1f}",
+                 f"{s['even_ms']['median'] / ideal:.2f}",
+                 "[" + ", ".join(f"{b:.1f}" for b in a["ideal_split"]) + "]"])
+    if a["naive_ceiling"]:
+        rows.append(["naive ceiling sum X / (K min X)", "-", f"{a['naive_ceiling']:.2f}", "-"])
+    lines += bc.table(["policy", "step ms", "speed-up vs even", "split"], rows,
+                      ["---", "---:", "---:", "---"])
+    tm = a["time_model"]
+    lines += ["", "Fitted busy-time models t_k = alpha_k + beta_k b_k (ms): " + "; ".join(
+        f"worker {j}: {tm['alpha_ms'][j]:.1f} + {tm['beta_ms_per_sample'][j]:.2f} b"
+        for j in range(len(caps))) + f"; remainder (step - max busy) {a['remainder_ms']:.1f} ms.",
+              "", "Static grid (median step ms per round): " + "; ".join(
+                  f"{'/'.join(map(str, g['sizes']))}: " + ",".join(f"{v:.0f}" for v in g["step_ms"])
+                  for g in a["grid"])]
+    dyn_vs_best = s["dynamic_ms"]["median"] / s["best_ms"]["median"]
+    dyn_vs_ideal = s["dynamic_ms"]["median"] / ideal
+    goals = {"dynamic_at_least_as_fast_as_best_static": bool(dyn_vs_best <= 1.0),
+             "dynamic_over_best_static": dyn_vs_best,
+             "dynamic_within_10pct_of_ideal": bool(dyn_vs_ideal <= 1.10),
+             "dynamic_over_ideal": dyn_vs_ideal}
+    lines += ["", f"Goals: dynamic / best static = {dyn_vs_best:.3f} "
+              f"({'met' if goals['dynamic_at_least_as_fast_as_best_static'] else 'MISSED'}: "
+              f"<= 1); dynamic / ideal = {dyn_vs_ideal:.3f} "
+              f"({'met' if goals['dynamic_within_10pct_of_ideal'] else 'MISSED'}: <= 1.10)."]
+    return lines, s, speed, goals
+
+
+def plot(a, result, png, caps):
+    plt = bc.pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    phases = [p for p in result["phases"] if p["kind"] == "dynamic" and p["name"].startswith("dynamic")]
+    for p in phases:
+        ax1.plot(np.arange(1, len(p["step_seconds"]) + 1), np.array(p["step_seconds"]) * 1e3,
+                 lw=0.8, label=p["name"])
+    r = a["rounds"]
+    for key, label, style in (("even_ms", "even (median)", "k--"), ("best_ms", "best static", "g:")):
+        ax1.axhline(np.median([x[key] for x in r]), color=style[0], ls=style[1:], label=label)
+    ax1.axhline(a["ideal_ms"], color="r", ls="-.", label="ideal")
+    ax1.set(xlabel="step of the dynamic phase", ylabel="step time (ms)",
+            title="DynamicBatching from the even split", yscale="log")
+    ax1.legend(fontsize=7)
+    tm = a["time_model"]
+    for j in range(len(caps)):
+        pts = [(p["busy"]["samples_per_step"][j], p["busy"]["time_per_step"][j] * 1e3)
+               for p in result["phases"] if p["kind"] == "static" and p.get("busy")]
+        xs = np.array([q[0] for q in pts])
+        ax2.scatter(xs, [q[1] for q in pts], s=12, label=f"worker {j} (cap {caps[j]})")
+        grid = np.linspace(0, max(xs.max(), 1), 50)
+        ax2.plot(grid, tm["alpha_ms"][j] + tm["beta_ms_per_sample"][j] * grid, lw=0.8)
+    ax2.set(xlabel="samples per step b_k", ylabel="busy ms per step",
+            title="measured busy time and fitted alpha + beta b")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--out", default=os.path.join(bc.DEFAULT_OUT_DIR, "hetero.json"),
+                        help="JSON results; the PNG goes next to it")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="tiny mode: this many steps per static phase, 1 round, no caps")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="interleaved rounds in the one cluster run (default 2; tiny 1)")
+    parser.add_argument("--caps", default=None,
+                        help="CPU cap per worker (default 0.8,0.2; tiny: none,none)")
+    parser.add_argument("--model", default="cnn", choices=["cnn", "small_cnn", "linear"])
+    parser.add_argument("--filters", type=int, default=None,
+                        help="conv filters of --model cnn (default 32; tiny mode 4)")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--train-samples", type=int, default=12800)
+    parser.add_argument("--cap-after", type=float, default=20.0,
+                        help="start uncapped, apply the caps this many seconds after the "
+                             "start, before the measured phases (default 20)")
+    parser.add_argument("--timeout", type=float, default=1800)
+    args = parser.parse_args(argv)
+    tiny = args.steps is not None
+    args.filters = args.filters or (4 if tiny else 32)
+    args.repeats = args.repeats or (1 if tiny else 2)
+    caps_text = args.caps or ("none,none" if tiny else "0.8,0.2")
+    caps = [None if c.strip().lower() == "none" else float(c) for c in caps_text.split(",")]
+    nominal = [c if c is not None else 1.0 for c in caps]
+    json_path, png, workdir = bc.out_paths(args.out)
+    # Tiny mode runs uncapped; its grid still uses a 4:1 shape so the grid has distinct splits.
+    shape = [0.8, 0.2] if tiny and None in caps and len(caps) == 2 else nominal
+    plan, grid = make_plan(args, shape, tiny)
+    when = bc.now_utc()
+    print(f"bench_hetero: {len(caps)} workers, caps {caps_text}, grid {grid}", flush=True)
+    started = time.time()
+    result = bc.run_cluster(plan, caps, workdir, "hetero", args.timeout,
+                            cap_after=None if tiny else args.cap_after)
+    a = analyse(result, nominal, args.batch)
+    lines, s, speed, goals = report(a, args, caps, result, when)
+    print("\n" + "\n".join(lines))
+    plot(a, result, png, nominal)
+    bc.write_json(json_path, {
+        "benchmark": "bench_hetero", "date": when, "seed": args.seed, "tiny": tiny,
+        "caps": caps, "model": args.model, "filters": args.filters, "batch": args.batch,
+        "repeats": args.repeats, "cap_method": result["cap_method"], "data": result["data"],
+        "step_ms": s, "speedup_vs_even": speed, "goals": goals, **a,
+        "phases": [{k: v for k, v in p.items() if k not in ("stamps",)} for p in result["phases"]],
+        "elapsed_s": time.time() - started, "environment": bc.environment(), "png": png})
+    print(f"\nJSON: {json_path}\nPNG:  {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

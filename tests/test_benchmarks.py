@@ -1,0 +1,121 @@
+"""Runs every cluster benchmark's tiny mode in a subprocess, so the scripts cannot rot.
+
+Checks the exit code, the markdown table, and that the JSON has the expected keys and only
+finite numbers. No timing assertions: this machine is shared and noisy.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "examples", "benchmarks")
+TIMEOUT = 240  # a tiny mode takes < 60 s on a quiet machine; leave room for a busy one
+
+sys.path.insert(0, BENCH)
+from bench_common import all_finite  # noqa: E402  (pure Python)
+
+
+def _run(script, *args):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, os.path.join(BENCH, script), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def _check(proc, out, keys, table_header):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert table_header in proc.stdout, proc.stdout[-3000:]
+    data = json.loads(out.read_text())
+    missing = [k for k in keys if k not in data]
+    assert not missing, f"missing keys {missing} in {sorted(data)}"
+    assert data["tiny"] is True and data["seed"] == 3
+    assert not all_finite(data), f"non-finite numbers at {all_finite(data)}"
+    assert os.path.exists(data["png"]) and os.path.getsize(data["png"]) > 0
+    return data
+
+
+def _finite(*values):
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
+
+@pytest.mark.parametrize("script", ["bench_overhead.py", "bench_hetero.py", "bench_sweep.py",
+                                    "bench_accuracy.py", "hetero_worker.py"])
+def test_benchmark_help(script):
+    proc = _run(script, "--help")
+    assert proc.returncode == 0, proc.stderr
+    if script != "hetero_worker.py":
+        assert "--steps" in proc.stdout and "--out" in proc.stdout and "--seed" in proc.stdout
+        assert "--repeats" in proc.stdout
+
+
+def test_bench_overhead_tiny_mode(tmp_path):
+    out = tmp_path / "overhead.json"
+    proc = _run("bench_overhead.py", "--steps", "4", "--seed", "3", "--out", str(out))
+    data = _check(proc, out, ["single_host", "cluster", "goal", "goal_met", "date"],
+                  "| setting | baseline |")
+    assert "MultiWorkerMirroredStrategy" in proc.stdout
+    for model in ("small_cnn", "dense"):
+        ratio = data["single_host"]["models"][model]["ratio"]
+        assert ratio["n"] == 2 and _finite(ratio["min"], ratio["median"], ratio["max"])
+        assert ratio["min"] > 0
+    assert data["cluster"]["ratio"]["n"] == 2 and data["cluster"]["ratio"]["median"] > 0
+
+
+def test_bench_hetero_tiny_mode(tmp_path):
+    out = tmp_path / "hetero.json"
+    proc = _run("bench_hetero.py", "--steps", "4", "--seed", "3", "--out", str(out))
+    data = _check(proc, out, ["step_ms", "speedup_vs_even", "goals", "ideal_ms", "ideal_split",
+                              "time_model", "remainder_ms", "rounds", "grid", "phases"],
+                  "| policy | step ms | speed-up vs even | split |")
+    for key in ("even_ms", "best_ms", "dynamic_ms"):
+        assert data["step_ms"][key]["median"] > 0
+    assert data["ideal_ms"] > 0 and abs(sum(data["ideal_split"]) - data["batch"]) < 1e-6
+    round_ = data["rounds"][0]
+    assert sum(round_["best_sizes"]) == data["batch"] == sum(round_["dynamic_sizes"])
+
+
+def test_bench_sweep_tiny_mode(tmp_path):
+    out = tmp_path / "sweep.json"
+    proc = _run("bench_sweep.py", "--steps", "5", "--seed", "3", "--out", str(out))
+    data = _check(proc, out, ["hs", "runs", "base_step_ms", "base_epoch_s", "scenario"],
+                  "| H | caps |")
+    assert [run["h"] for run in data["runs"]] == data["hs"]
+    for run in data["runs"]:
+        for policy in ("even", "static", "dynamic"):
+            s = run["summary"][policy]
+            assert s["step_norm"]["median"] > 0 and s["epoch_norm"]["median"] > 0
+        assert math.isclose(sum(run["caps"]), 1.5, rel_tol=1e-3)
+
+
+def test_bench_sweep_interference_tiny_mode(tmp_path):
+    out = tmp_path / "interference.json"
+    proc = _run("bench_sweep.py", "--scenario", "interference", "--steps", "5", "--seed", "3",
+                "--out", str(out))
+    data = json.loads(out.read_text()) if out.exists() else {}
+    # slow_at/recover_at are null in tiny mode (no schedule): check the rest by hand.
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| round | policy | before |" in proc.stdout
+    assert {r["policy"] for r in data["runs"]} == {"static", "dynamic"}
+    for run in data["runs"]:
+        assert run["total_s"] > 0 and set(run["adjustments"]) == {"during", "after"}
+    assert not all_finite(data)
+
+
+def test_bench_accuracy_tiny_mode(tmp_path):
+    out = tmp_path / "accuracy.json"
+    proc = _run("bench_accuracy.py", "--steps", "4", "--seed", "3", "--out", str(out))
+    data = json.loads(out.read_text()) if out.exists() else {}
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| policy | train s / epoch" in proc.stdout
+    for key in ("runs", "rounds", "speedup_epoch", "max_accuracy_gap", "target"):
+        assert key in data
+    assert {r["mode"] for r in data["runs"]} == {"even", "dynamic"}
+    for run in data["runs"]:
+        assert len(run["test_accuracy"]) == data["epochs"] == len(run["train_seconds"])
+        assert all(0.0 <= a <= 1.0 for a in run["test_accuracy"])
+    # time to target may be None (not reached in 2 tiny epochs): None is allowed, NaN is not.
+    assert not all_finite(data)
