@@ -81,3 +81,22 @@ def test_three_workers_even_split_of_an_indivisible_batch(tmp_path):
         assert info["batch_sizes"] == [11, 11, 10]
     ids = np.concatenate([w["ids"] for w, _ in outputs])
     np.testing.assert_array_equal(np.bincount(ids, minlength=320), np.ones(320))
+
+
+def test_switch_right_after_a_validation_pass(tmp_path):
+    # 10 training steps per epoch, then 10 validation batches numbered from the same step as
+    # the next epoch's; a switch at the first step of epoch 2 must still be consistent.
+    outputs = run_cluster(
+        tmp_path, 2, "--validation", "320", "--switch-step", "11", "--switch-sizes", "6,26"
+    )
+    ref = reference_weights()
+    for weights, _ in outputs:
+        ours = weights_of(weights, len(ref))
+        assert max(float(np.max(np.abs(a - b))) for a, b in zip(ours, ref)) <= 1e-5
+    from tf_hetbatch.multi_worker import SWITCH_MARGIN
+
+    samples = [info["samples"] for _, info in outputs]
+    assert samples[0] == samples[1]
+    switch = 11 + SWITCH_MARGIN
+    assert all(s == [16.0, 16.0] for s in samples[0][:switch])
+    assert all(s == [6.0, 26.0] for s in samples[0][switch:])

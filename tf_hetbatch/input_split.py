@@ -186,9 +186,12 @@ class Allocation:
                     total,
                 ],
             )
-            record = self.last_key.assign(
-                tf.where(keep, tf.maximum(self.last_key.read_value(), key), self.last_key)
+            # The newest key produced by the most recent iterator (a validation pass numbers
+            # its batches from the same step as the next epoch, but is over by then).
+            latest = tf.where(
+                position == to_skip, key, tf.maximum(self.last_key.read_value(), key)
             )
+            record = self.last_key.assign(tf.where(keep, latest, self.last_key))
             with tf.control_dependencies([check, record]):
                 short = tf.logical_or(
                     previous_short, tf.logical_and(keep, tf.logical_and(total > 0, n < total))

@@ -90,6 +90,7 @@ def main():
     parser.add_argument("--sizes", default="", help="initial split, comma separated")
     parser.add_argument("--switch-step", type=int, default=0)
     parser.add_argument("--switch-sizes", default="")
+    parser.add_argument("--validation", type=int, default=0, help="validation samples")
     args = parser.parse_args()
 
     strategy = hb.HeteroMultiWorkerMirroredStrategy()
@@ -104,7 +105,12 @@ def main():
         callbacks.append(switch)
     x, y = data(args.n)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
-    history = model.fit(ds, epochs=args.epochs, verbose=0, callbacks=callbacks)
+    validation = None
+    if args.validation:
+        xv, yv = data(args.validation)
+        validation = tf.data.Dataset.from_tensor_slices((xv, yv)).batch(args.batch)
+    history = model.fit(ds, epochs=args.epochs, verbose=0, callbacks=callbacks,
+                        validation_data=validation)
     index = strategy.cluster_resolver.task_id
     os.makedirs(args.out, exist_ok=True)
     np.savez(
