@@ -44,14 +44,19 @@ def weights_of(npz, count):
     return [npz[f"arr_{i}"] for i in range(count)]
 
 
+def assert_every_worker_equals(ref, outputs):
+    """Each worker's final weights equal the one-device reference (<= 1e-5)."""
+    for weights, _ in outputs:
+        ours = weights_of(weights, len(ref))
+        assert max(float(np.max(np.abs(a - b))) for a, b in zip(ours, ref)) <= 1e-5
+
+
 def test_two_workers_exact_with_a_switch_at_the_same_step(tmp_path):
     outputs = run_cluster(
         tmp_path, 2, "--sizes", "5,27", "--switch-step", "4", "--switch-sizes", "20,12"
     )
     ref = reference_weights()
-    for weights, _ in outputs:
-        ours = weights_of(weights, len(ref))
-        assert max(float(np.max(np.abs(a - b))) for a, b in zip(ours, ref)) <= 1e-5
+    assert_every_worker_equals(ref, outputs)
     # Identical on every worker, bit for bit.
     for a, b in zip(weights_of(outputs[0][0], len(ref)), weights_of(outputs[1][0], len(ref))):
         np.testing.assert_array_equal(a, b)
@@ -90,9 +95,7 @@ def test_switch_right_after_a_validation_pass(tmp_path):
         tmp_path, 2, "--validation", "320", "--switch-step", "11", "--switch-sizes", "6,26"
     )
     ref = reference_weights()
-    for weights, _ in outputs:
-        ours = weights_of(weights, len(ref))
-        assert max(float(np.max(np.abs(a - b))) for a, b in zip(ours, ref)) <= 1e-5
+    assert_every_worker_equals(ref, outputs)
     from tf_hetbatch.multi_worker import SWITCH_MARGIN
 
     samples = [info["samples"] for _, info in outputs]

@@ -13,7 +13,6 @@ Usage:
     python examples/benchmarks/bench_accuracy.py --steps 4     # tiny smoke run (no caps)
 """
 
-import argparse
 import os
 import sys
 import time
@@ -32,11 +31,8 @@ def time_to_target(run, target):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--out", default=os.path.join(bc.DEFAULT_OUT_DIR, "accuracy.json"),
-                        help="JSON results; the PNG goes next to it")
+    parser = bc.base_parser(__doc__, os.path.join(bc.DEFAULT_OUT_DIR, "accuracy.json"),
+                            out_help="JSON results; the PNG goes next to it")
     parser.add_argument("--steps", type=int, default=None,
                         help="tiny mode: this many steps per epoch, 2 epochs, 2 workers, no caps")
     parser.add_argument("--repeats", type=int, default=None,
@@ -131,9 +127,7 @@ def main(argv=None):
     ax.set(xlabel="training time (s, validation excluded)", ylabel="test accuracy",
            title=f"Fashion-MNIST, caps {caps}: even vs DynamicBatching")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    bc.save_figure(fig, png)
     bc.write_json(json_path, {"benchmark": "bench_accuracy", "date": when, "seed": args.seed,
                               "tiny": tiny, "caps": caps, "target": args.target,
                               "epochs": epochs, "model": args.model, "batch": args.batch,

@@ -164,6 +164,24 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, png):
+    """Lays out, writes and closes a matplotlib figure."""
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    pyplot().close(fig)
+
+
+def base_parser(doc, out_default, out_help="JSON results; the PNG goes next to it"):
+    """The arguments every benchmark has: --seed and --out (its description from `doc`)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--out", default=out_default, help=out_help)
+    return parser
+
+
 def temp_workdir(prefix):
     return tempfile.mkdtemp(prefix=prefix)
 

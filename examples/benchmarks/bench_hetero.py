@@ -23,7 +23,6 @@ Usage:
     python examples/benchmarks/bench_hetero.py --steps 4     # tiny smoke run (no caps)
 """
 
-import argparse
 import os
 import sys
 import time
@@ -222,17 +221,12 @@ def plot(a, result, png, caps):
     ax2.set(xlabel="samples per step b_k", ylabel="busy ms per step",
             title="measured busy time and fitted alpha + beta b")
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    bc.save_figure(fig, png)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--out", default=os.path.join(bc.DEFAULT_OUT_DIR, "hetero.json"),
-                        help="JSON results; the PNG goes next to it")
+    parser = bc.base_parser(__doc__, os.path.join(bc.DEFAULT_OUT_DIR, "hetero.json"),
+                            out_help="JSON results; the PNG goes next to it")
     parser.add_argument("--steps", type=int, default=None,
                         help="tiny mode: this many steps per static phase, 1 round, no caps")
     parser.add_argument("--repeats", type=int, default=None,

@@ -17,7 +17,6 @@ Usage:
     python examples/benchmarks/bench_overhead.py --steps 5    # tiny smoke run
 """
 
-import argparse
 import os
 import sys
 import time
@@ -151,17 +150,12 @@ def plot(a, b, png):
     ax.set_ylabel("median step time ratio")
     ax.set_title("tf_hetbatch overhead at an even split (each dot one repetition)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    bc.save_figure(fig, png)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--out", default=os.path.join(bc.DEFAULT_OUT_DIR, "overhead.json"),
-                        help="JSON results; the PNG goes next to it")
+    parser = bc.base_parser(__doc__, os.path.join(bc.DEFAULT_OUT_DIR, "overhead.json"),
+                            out_help="JSON results; the PNG goes next to it")
     parser.add_argument("--steps", type=int, default=None,
                         help="tiny mode: this many measured steps per repetition, no caps")
     parser.add_argument("--repeats", type=int, default=None,

@@ -22,7 +22,6 @@ Usage:
     python examples/benchmarks/bench_sweep.py --steps 6      # tiny smoke run (no caps)
 """
 
-import argparse
 import os
 import sys
 import time
@@ -268,17 +267,12 @@ def plot(res, args, png):
         for ax in (ax1, ax2):
             ax.legend()
             ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    bc.save_figure(fig, png)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--out", default=None,
-                        help="JSON results (default /tmp/tf_hetbatch_bench/sweep[_linear|"
+    parser = bc.base_parser(__doc__, None,
+                            out_help="JSON results (default /tmp/tf_hetbatch_bench/sweep[_linear|"
                              "_interference].json); the PNG goes next to it")
     parser.add_argument("--scenario", choices=["heterogeneity", "interference"],
                         default="heterogeneity")
