@@ -107,3 +107,31 @@ def test_all_layers_walks_nested_models():
     outer = keras.Sequential([keras.Input((4,)), inner, keras.layers.Dense(1)])
     kinds = [type(layer).__name__ for layer in _compat.all_layers(outer)]
     assert "BatchNormalization" in kinds and "Dense" in kinds
+
+
+def test_coordinator_internals_used_for_per_worker_iterators_exist():
+    """`_compat.per_worker_iterator` and the step-status checks use these internals."""
+    from tensorflow.python.distribute.coordinator import cluster_coordinator as cc
+    from tensorflow.python.distribute.coordinator import remote_value as rv
+    from tensorflow.python.distribute.coordinator import values as cv
+
+    assert callable(getattr(cc.Worker, "create_resource", None))
+    assert hasattr(cv, "PerWorkerDistributedIterator")
+    assert {"NOT_READY", "READY", "ABORTED"} <= set(rv.RemoteValueStatus.__members__)
+    value = cv.RemoteValueImpl(None, None)
+    assert value._status is rv.RemoteValueStatus.NOT_READY
+    assert not _compat.remote_value_done(value)
+    _compat.wait_remote_value(value, timeout=0.01)  # an event with a timeout: returns
+    value._set_values(tf.constant(1))
+    assert _compat.remote_value_done(value)
+
+
+def test_keras_variable_assign_add_is_read_modify_write_upstream():
+    """keras-team/keras#18668: Keras 3 `Variable.assign_add` is `assign(self + value)`, so
+    concurrent asynchronous updates can lose increments of `optimizer.iterations`. The
+    parameter-server strategy therefore counts updates in a tf.Variable of its own
+    (`HeteroParameterServerStrategy.updates`, one atomic AssignAddVariableOp per update)."""
+    import inspect
+
+    source = inspect.getsource(keras.Variable.assign_add)
+    assert "self.assign(self + value)" in source, source

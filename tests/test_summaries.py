@@ -309,3 +309,42 @@ def test_bad_constructor_arguments_fail_naming_the_value(tmp_path):
     writer.close()
     with pytest.raises(RuntimeError, match="after close"):
         writer.log_window(1, [1, 1], [0.1, 0.1], 0.1)
+
+
+def test_staleness_of_asynchronous_workers_is_served_per_worker(tmp_path, request):
+    """log_staleness adds a staleness category; a worker without updates gets no point."""
+    written = {0: [], 1: []}
+    with BalanceWriter(str(tmp_path), 2, flush_every=4) as writer:
+        for i in range(10):
+            step = (i + 1) * WINDOW_STEPS
+            writer.log_window(step, [24, 8], [0.05, 0.05], 0.06)
+            mean = [0.5 + 0.1 * i, float("nan") if i == 3 else 1.5]
+            maximum = [2, -1 if i == 3 else 4]
+            writer.log_staleness(step, mean, maximum)
+            for k in range(2):
+                if maximum[k] >= 0:
+                    written[k].append((step, mean[k]))
+    url, stop = start_tensorboard(str(tmp_path))
+    request.addfinalizer(stop)
+    categories = _layout_categories(url)
+    assert summaries.LAYOUT_STALENESS_CATEGORY in categories, categories.keys()
+    served = {c["title"]: c["multiline"]["tag"]
+              for c in categories[summaries.LAYOUT_STALENESS_CATEGORY]}
+    assert served == {t: list(r) for t, r in summaries.STALENESS_CHARTS}
+    for k in range(2):
+        answer = get_json(url, "/data/plugin/custom_scalars/scalars",
+                          run=summaries.replica_run(k),
+                          tag=summaries.STALENESS_CHARTS[0][1][0])
+        (events,) = answer["tag_to_events"].values()
+        assert [(e[1], round(e[2], 5)) for e in events] == \
+            [(s, round(m, 5)) for s, m in written[k]], k
+
+
+def test_synchronous_runs_have_no_staleness_category(tensorboard_url):
+    assert summaries.LAYOUT_STALENESS_CATEGORY not in _layout_categories(tensorboard_url)
+
+
+def test_bad_staleness_fails_naming_the_value(tmp_path):
+    with BalanceWriter(str(tmp_path), 2) as writer:
+        with pytest.raises(ValueError, match="one value per worker"):
+            writer.log_staleness(10, [0.5], [1, 2])

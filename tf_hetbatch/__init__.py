@@ -18,10 +18,15 @@ _PUBLIC = {
     # Strategies (TensorFlow).
     "HeteroMirroredStrategy": "tf_hetbatch.strategy",
     "HeteroMultiWorkerMirroredStrategy": "tf_hetbatch.multi_worker",
+    "HeteroParameterServerStrategy": "tf_hetbatch.parameter_server",
     "ReplicaTimes": "tf_hetbatch.timing",
+    "Staleness": "tf_hetbatch.parameter_server",
     # Keras callbacks.
     "DynamicBatching": "tf_hetbatch.callback",
     "ResumableCheckpoint": "tf_hetbatch.recovery",
+    # Asynchronous training.
+    "AsyncTrainer": "tf_hetbatch.async_trainer",
+    "ParameterServerLostError": "tf_hetbatch.async_trainer",
     # Dashboards.
     "BalanceWriter": "tf_hetbatch.summaries",
     "plot_balance": "tf_hetbatch.plot",
@@ -43,9 +48,13 @@ _PUBLIC = {
 __all__ = [
     "HeteroMirroredStrategy",
     "HeteroMultiWorkerMirroredStrategy",
+    "HeteroParameterServerStrategy",
     "ReplicaTimes",
+    "Staleness",
     "DynamicBatching",
     "ResumableCheckpoint",
+    "AsyncTrainer",
+    "ParameterServerLostError",
     "BalanceWriter",
     "plot_balance",
     "split_proportionally",

@@ -276,7 +276,7 @@ class DynamicBatching(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         strategy = hetero_strategy_of(self.model, "DynamicBatching")
         self._strategy = strategy
-        num = strategy.num_replicas_in_sync
+        num = strategy.num_parts
         self._fit_step = 0
         self._window_steps = 0
         self._window_wall = 0.0
@@ -345,7 +345,7 @@ class DynamicBatching(keras.callbacks.Callback):
 
     def _start(self, strategy):
         """Applies the static split, or prepares it for the first window when B is unknown."""
-        num = strategy.num_replicas_in_sync
+        num = strategy.num_parts
         if not isinstance(self.initial, str) and len(self.initial) != num:
             raise ValueError(
                 f"`initial` must have one batch size per replica ({num}). Received: "
@@ -391,7 +391,7 @@ class DynamicBatching(keras.callbacks.Callback):
 
     def _resume(self, strategy):
         """Re-applies the split of a previous fit or of `set_state`."""
-        num = strategy.num_replicas_in_sync
+        num = strategy.num_parts
         sizes = self._sizes
         if len(sizes) != num:
             raise ValueError(
@@ -411,6 +411,8 @@ class DynamicBatching(keras.callbacks.Callback):
     def _start_window(self):
         # Drops what the warm-up steps accumulated (a collective: same step on every worker).
         self._strategy.read_replica_times(reset=True)
+        if hasattr(self._strategy, "read_staleness"):
+            self._strategy.read_staleness(reset=True)
         self._measuring = True
         self._window_steps = 0
         self._window_wall = 0.0
@@ -428,7 +430,14 @@ class DynamicBatching(keras.callbacks.Callback):
         first_after_change, self._first_after_change = self._first_after_change, False
         settled = self._sizes is not None and np.allclose(sizes, self._sizes, rtol=0, atol=1e-9)
         used = False
-        if not self._static_done:
+        idle = np.flatnonzero(np.asarray(times.steps) <= 0)
+        if len(idle) and self._static_done:
+            # Asynchronous training only (synchronous replicas all run every step): a worker
+            # that finished no update in the window (lost, restarting, or far slower than the
+            # window) gives no measurement; keep the split until it reports again.
+            logger.info("Window ending at step %d: worker(s) %s finished no update; split "
+                        "kept.", self._global_step, idle.tolist())
+        elif not self._static_done:
             self._finish_static(strategy, sizes, times)
         elif first_after_change and not settled:
             logger.debug("Window ending at step %d straddles a change of split; skipped.",
@@ -437,10 +446,12 @@ class DynamicBatching(keras.callbacks.Callback):
             used = True
             self._control(strategy, sizes, secs)
         self._log_window(sizes, secs, step_time, used)
+        if hasattr(strategy, "read_staleness"):  # asynchronous training
+            self._log_staleness(strategy.read_staleness(reset=True))
 
     def _finish_static(self, strategy, sizes, times):
         """The static split from the first window: B (if unknown) and, for a probe, throughput."""
-        num = strategy.num_replicas_in_sync
+        num = strategy.num_parts
         total = strategy.global_batch_size
         if total is None:
             total = int(round(float(np.sum(sizes))))
@@ -494,6 +505,15 @@ class DynamicBatching(keras.callbacks.Callback):
                                 window["time_per_step"], step_time)
 
 
+    def _log_staleness(self, staleness):
+        mean, maximum = staleness.mean, staleness.max
+        self.windows[-1]["staleness_mean"] = [None if v != v else float(v) for v in mean]
+        self.windows[-1]["staleness_max"] = [int(v) for v in maximum]
+        if self._writer is not None:
+            self._writer.log_staleness(self.windows[-1]["step"], mean.tolist(),
+                                       maximum.tolist())
+
+
 # ---------------------------------------------------------------------- device capacities -
 def device_capacities(strategy) -> np.ndarray:
     """Nominal peak FLOP/s of every replica's device, in replica order.
@@ -507,8 +527,11 @@ def device_capacities(strategy) -> np.ndarray:
         strategy: a tf_hetbatch strategy.
 
     Returns:
-        float64 array [num_replicas_in_sync] of FLOP/s.
+        float64 array [strategy.num_parts] of FLOP/s (per worker under
+        `HeteroParameterServerStrategy`, read on each worker).
     """
+    if hasattr(strategy, "part_capacities"):  # asynchronous: one part per worker task
+        return np.asarray(strategy.part_capacities(), np.float64)
     local = [_device_peak(d) for d in strategy.extended.worker_devices]
     return np.asarray(strategy.gather_replica_values(np.asarray(local, np.float64)), np.float64)
 

@@ -52,6 +52,11 @@ class HeteroMixin:
         return None
 
     @property
+    def num_parts(self) -> int:
+        """Number of parts each global batch is split into: the replicas in sync."""
+        return self.num_replicas_in_sync
+
+    @property
     def global_batch_size(self) -> Optional[int]:
         """The global batch size: sum of the sizes set, else the data's (None while unknown)."""
         if self._batch_sizes is not None:
@@ -434,13 +439,15 @@ def hetero_strategy_of(model, user: str) -> HeteroMixin:
     Raises:
         ValueError: the model is not under a tf_hetbatch strategy (naming `user`, the caller).
     """
+    from tf_hetbatch.parameter_server import HeteroParameterServerStrategy
+
     strategy = getattr(model, "distribute_strategy", None)
-    if not isinstance(strategy, HeteroMixin):
+    if not isinstance(strategy, (HeteroMixin, HeteroParameterServerStrategy)):
         raise ValueError(
             f"{user} needs a model created under a tf_hetbatch strategy. Received: a model "
             f"under {type(strategy).__module__}.{type(strategy).__name__}. Fix: create and "
-            "compile the model inside `with strategy.scope():` of a HeteroMirroredStrategy "
-            "or HeteroMultiWorkerMirroredStrategy."
+            "compile the model inside `with strategy.scope():` of a HeteroMirroredStrategy, "
+            "HeteroMultiWorkerMirroredStrategy or HeteroParameterServerStrategy."
         )
     return strategy
 

@@ -52,6 +52,9 @@ TAG_COMPUTE_TIME_MS = "hetbatch/compute_time_ms"
 TAG_REPLICA_THROUGHPUT = "hetbatch/replica_throughput"
 TAG_WAIT_TIME_MS = "hetbatch/wait_time_ms"
 REPLICA_TAGS = (TAG_BATCH_SIZE, TAG_COMPUTE_TIME_MS, TAG_REPLICA_THROUGHPUT, TAG_WAIT_TIME_MS)
+# Asynchronous training only: staleness of each worker's updates (per replica run).
+TAG_STALENESS_MEAN = "hetbatch/staleness_mean"
+TAG_STALENESS_MAX = "hetbatch/staleness_max"
 
 # Cluster tags (the aggregate run).
 TAG_BALANCE_EFFICIENCY = "hetbatch/balance_efficiency"
@@ -70,6 +73,7 @@ CLUSTER_TAGS = (
 
 LAYOUT_CATEGORY = "tf_hetbatch balance"
 LAYOUT_CLUSTER_CATEGORY = "tf_hetbatch cluster"
+LAYOUT_STALENESS_CATEGORY = "tf_hetbatch staleness"
 
 # (chart title, tag regexes) per category of the custom-scalars layout.
 REPLICA_CHARTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
@@ -83,6 +87,11 @@ CLUSTER_CHARTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("Step time vs ideal (ms)", (rf"^{TAG_STEP_TIME_MS}$", rf"^{TAG_IDEAL_STEP_TIME_MS}$")),
     ("Aggregate throughput (samples/s)", (rf"^{TAG_THROUGHPUT}$",)),
     ("Global batch (samples/step)", (rf"^{TAG_GLOBAL_BATCH}$",)),
+)
+
+STALENESS_CHARTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    ("Mean staleness per worker (updates)", (rf"^{TAG_STALENESS_MEAN}$",)),
+    ("Max staleness per worker (updates)", (rf"^{TAG_STALENESS_MAX}$",)),
 )
 
 
@@ -250,8 +259,11 @@ def _scalars_pb(values) -> bytes:
     ).SerializeToString()
 
 
-def make_layout():
+def make_layout(staleness: bool = False):
     """Builds the custom-scalars layout of the balance dashboards.
+
+    Args:
+      staleness: also the `LAYOUT_STALENESS_CATEGORY` charts (asynchronous training).
 
     Returns:
       A `tensorboard.plugins.custom_scalar.layout_pb2.Layout` with the categories
@@ -271,12 +283,13 @@ def make_layout():
             ],
         )
 
-    return layout_pb2.Layout(
-        category=[
-            category(LAYOUT_CATEGORY, REPLICA_CHARTS),
-            category(LAYOUT_CLUSTER_CATEGORY, CLUSTER_CHARTS),
-        ]
-    )
+    categories = [
+        category(LAYOUT_CATEGORY, REPLICA_CHARTS),
+        category(LAYOUT_CLUSTER_CATEGORY, CLUSTER_CHARTS),
+    ]
+    if staleness:
+        categories.append(category(LAYOUT_STALENESS_CATEGORY, STALENESS_CHARTS))
+    return layout_pb2.Layout(category=categories)
 
 
 class BalanceWriter:
@@ -335,7 +348,9 @@ class BalanceWriter:
         self._windows: List[BalanceWindow] = []
         self._adjustments: List[_Adjustment] = []
         self._writers: Optional[Dict[str, object]] = None
+        self._staleness: List[Tuple[int, Tuple[float, ...], Tuple[float, ...]]] = []
         self._layout_written = False
+        self._layout_staleness = False
         self._closed = False
 
     @property
@@ -421,13 +436,38 @@ class BalanceWriter:
             raise TypeError(f"`reason` must be a string. Received: reason={reason!r}")
         self._adjustments.append(_Adjustment(step, old, new, reason))
 
+    def log_staleness(self, step: int, mean: Sequence[float], maximum: Sequence[float]) -> None:
+        """Buffers the staleness of each worker's updates over a window (asynchronous training).
+
+        Written to each replica run as `hetbatch/staleness_mean` and `hetbatch/staleness_max`;
+        the layout gains a "tf_hetbatch staleness" category. A worker without updates in the
+        window (NaN mean, max < 0) gets no point.
+
+        Args:
+          step: Global step at the end of the window (int >= 0).
+          mean: Mean staleness per worker (K values, NaN allowed), in updates.
+          maximum: Largest staleness per worker (K values), in updates.
+
+        Raises:
+          TypeError, ValueError: for values of the wrong type or length.
+          RuntimeError: if the writer is closed.
+        """
+        self._check_open("log_staleness")
+        step = _check_step(step)
+        if len(mean) != self._num_replicas or len(maximum) != self._num_replicas:
+            raise ValueError(f"`mean` and `maximum` need one value per worker "
+                             f"({self._num_replicas}). Received: mean={list(mean)}, "
+                             f"maximum={list(maximum)}")
+        self._staleness.append((step, tuple(float(v) for v in mean),
+                                tuple(float(v) for v in maximum)))
+
     def flush(self) -> None:
         """Writes everything buffered and flushes the event files.
 
         Raises:
           RuntimeError: if called inside a `tf.function` (call it eagerly).
         """
-        if not self._windows and not self._adjustments and self._writers is None:
+        if not (self._windows or self._adjustments or self._staleness) and self._writers is None:
             return
         import tensorflow as tf
 
@@ -439,10 +479,12 @@ class BalanceWriter:
         started = time.perf_counter()
         windows, self._windows = self._windows, []
         adjustments, self._adjustments = self._adjustments, []
+        staleness, self._staleness = self._staleness, []
         with tf.device("/cpu:0"), tf.summary.record_if(True):
             writers = self._get_writers(tf)
-            self._write_layout(tf, writers[cluster_run()])
+            self._write_layout(tf, writers[cluster_run()], bool(staleness))
             self._write_windows(tf, writers, windows)
+            self._write_staleness(tf, writers, staleness)
             self._write_adjustments(tf, writers[cluster_run()], adjustments)
             for writer in writers.values():
                 writer.flush()
@@ -494,19 +536,21 @@ class BalanceWriter:
             )
         return self._writers
 
-    def _write_layout(self, tf, writer) -> None:
-        if self._layout_written:
+    def _write_layout(self, tf, writer, staleness: bool) -> None:
+        staleness = staleness or self._layout_staleness
+        if self._layout_written and staleness == self._layout_staleness:
             return
         from tensorboard.plugins.custom_scalar import metadata
 
         with writer.as_default():
             tf.summary.write(
                 tag=metadata.CONFIG_SUMMARY_TAG,
-                tensor=tf.constant(make_layout().SerializeToString()),
+                tensor=tf.constant(make_layout(staleness).SerializeToString()),
                 metadata=metadata.create_summary_metadata(),
                 step=0,
             )
         self._layout_written = True
+        self._layout_staleness = staleness
 
     def _write_windows(self, tf, writers, windows: List[BalanceWindow]) -> None:
         # One raw Summary proto per (run, window) holding all of its scalars: a single eager
@@ -532,6 +576,14 @@ class BalanceWriter:
                 if w.ideal_step_time is not None:
                     values.append((TAG_IDEAL_STEP_TIME_MS, 1e3 * w.ideal_step_time))
                 tf.summary.experimental.write_raw_pb(_scalars_pb(values), step=w.step)
+
+    def _write_staleness(self, tf, writers, staleness) -> None:
+        for k in range(self._num_replicas):
+            with writers[replica_run(k)].as_default():
+                for step, mean, maximum in staleness:
+                    if maximum[k] >= 0 and mean[k] == mean[k]:  # the worker had updates
+                        values = ((TAG_STALENESS_MEAN, mean[k]), (TAG_STALENESS_MAX, maximum[k]))
+                        tf.summary.experimental.write_raw_pb(_scalars_pb(values), step=step)
 
     def _write_adjustments(self, tf, writer, adjustments: List[_Adjustment]) -> None:
         with writer.as_default():

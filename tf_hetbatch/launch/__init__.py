@@ -1,11 +1,21 @@
-"""Local cluster launcher: run a training script as N worker processes on 127.0.0.1.
+"""Local cluster launcher: run a training script as a TF_CONFIG cluster on 127.0.0.1.
 
-Each worker gets ``TF_CONFIG`` for a loopback cluster, exactly as a cluster tool would set
-it, so the same script runs unchanged on a real cluster. Optionally each worker is held to
-a CPU cap (cgroup quota or SIGSTOP/SIGCONT duty cycle) to emulate slower machines, and the
-caps can change on a schedule. If a worker fails, the others are stopped; with
-``max_restarts`` the whole cluster is started again on new ports (scripts resume from their
-own checkpoints; ``TF_HETBATCH_RESTART`` tells them the attempt number).
+Each process gets ``TF_CONFIG`` for a loopback cluster, exactly as a cluster tool would set
+it, so the same script runs unchanged on a real cluster. Two kinds of cluster:
+
+* synchronous (default): N worker processes all run the script
+  (MultiWorkerMirroredStrategy). If a worker fails, the others are stopped.
+* asynchronous (``num_ps >= 1``): a chief runs the script, ``num_ps`` parameter servers and
+  N workers run ``python -m tf_hetbatch.server`` (ParameterServerStrategy). The chief's exit
+  decides the outcome; a ps failure is fatal; a worker that dies is only logged, since the
+  coordinator moves its work to the other workers.
+
+Optionally each worker is held to a CPU cap (cgroup quota or SIGSTOP/SIGCONT duty cycle) to
+emulate slower machines, the caps can change on a schedule, and workers can be preempted
+(SIGKILL, and with parameter servers started again later) to emulate transient servers.
+With ``max_restarts`` the whole cluster is started again on new ports after a failure
+(scripts resume from their own checkpoints; ``TF_HETBATCH_RESTART`` tells them the attempt
+number).
 
 Pure Python stdlib: importing this package does not import TensorFlow.
 
@@ -14,6 +24,8 @@ Example:
     from tf_hetbatch.launch import launch
     result = launch(["train.py", "--steps", "10"], num_workers=2, cpus=[0.8, 0.2])
     assert result.ok, result.message
+    # Asynchronous: chief + 1 ps + 3 workers; worker 2 is preempted at 30 s, back at 40 s.
+    result = launch(["train_ps.py"], num_workers=3, num_ps=1, preempt="30:2+10")
 """
 
 import dataclasses
@@ -23,20 +35,25 @@ import signal
 import sys
 import threading
 import time
-from typing import IO, Mapping, Optional, Sequence, Tuple, Union
+from typing import IO, List, Mapping, Optional, Sequence, Tuple, Union
 
 from tf_hetbatch.launch import cluster
 from tf_hetbatch.launch.cpu_caps import CAP_METHODS, make_caps
-from tf_hetbatch.launch.schedule import (Cap, CapChange, parse_cpus, parse_schedule,
-                                         validate_cpus, validate_schedule)
-from tf_hetbatch.launch.supervisor import WorkerExit, run_attempt, signal_name
+from tf_hetbatch.launch.schedule import (Cap, CapChange, Preemption, parse_cpus,
+                                         parse_preemptions, parse_schedule, validate_cpus,
+                                         validate_preemptions, validate_schedule)
+from tf_hetbatch.launch.supervisor import (PreemptionPlan, TaskSpec, WorkerExit, run_attempt,
+                                           signal_name)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["launch", "LaunchResult", "WorkerExit", "CapChange", "parse_cpus",
-           "parse_schedule"]
+__all__ = ["launch", "LaunchResult", "WorkerExit", "CapChange", "Preemption", "parse_cpus",
+           "parse_schedule", "parse_preemptions"]
 
 TIMEOUT_EXIT_CODE = 124
+# With parameter servers, worker tasks get at least this many inter-op threads: with one,
+# the first function the coordinator schedules on a worker deadlocks (TF 2.21, measured).
+WORKER_MIN_INTEROP_THREADS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +61,23 @@ class LaunchResult:
     """Outcome of :func:`launch`.
 
     Attributes:
-        returncode: 0 if every worker exited 0; else the failed worker's exit code,
-            ``128 + signal`` if it died by a signal, 124 on timeout, ``128 + signal`` of the
-            launcher's own SIGINT/SIGTERM when interrupted.
-        message: one line saying what happened, naming the worker and why.
+        returncode: 0 on success (every worker exited 0; with parameter servers: the chief
+            exited 0); else the failed task's exit code (1 for a ps that exited 0 before the
+            chief), ``128 + signal`` if it died by a signal, 124 on timeout, ``128 + signal``
+            of the launcher's own SIGINT/SIGTERM when interrupted.
+        message: one line saying what happened, naming the task and why.
         attempts: how many times the cluster was started (1 + restarts used).
-        workers: how each worker of the last attempt ended.
-        failed_worker: index of the worker whose failure ended the last attempt, or None.
+        workers: how each worker of the last attempt ended (by worker index).
+        failed_worker: index of the worker whose failure ended the last attempt, or None
+            (always None with parameter servers, where worker failures are not fatal; see
+            ``failed_task``).
         cap_method: CPU-cap method in force: "none", "cgroup-v1", "cgroup-v2", "duty-cycle".
+        chief: how the chief ended (parameter-server mode only, else None).
+        ps: how each parameter server ended (parameter-server mode only, else empty).
+        failed_task: the task (any role; see :attr:`WorkerExit.role`) whose failure ended
+            the last attempt, or None.
+        events: preemptions, worker restarts and tolerated worker exits of all attempts, in
+            order, e.g. ``"attempt 1, t=30.0 s: preempted worker 1 (...)"``.
     """
 
     returncode: int
@@ -60,11 +86,21 @@ class LaunchResult:
     workers: Tuple[WorkerExit, ...]
     failed_worker: Optional[int]
     cap_method: str
+    chief: Optional[WorkerExit] = None
+    ps: Tuple[WorkerExit, ...] = ()
+    failed_task: Optional[WorkerExit] = None
+    events: Tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
-        """True if every worker of the last attempt exited 0."""
+        """True if the job succeeded: every worker exited 0 (with parameter servers: the
+        chief exited 0)."""
         return self.returncode == 0
+
+    @property
+    def tasks(self) -> Tuple[WorkerExit, ...]:
+        """All tasks of the last attempt: chief, ps, then workers."""
+        return ((self.chief,) if self.chief else ()) + self.ps + self.workers
 
 
 def _check_int(value, name: str, minimum: int, fix: str) -> int:
@@ -91,43 +127,74 @@ def launch(script_argv: Sequence[str], num_workers: int,
            threads: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
            python: Optional[str] = None, grace: float = 3.0,
            stdout: Optional[IO[str]] = None, stderr: Optional[IO[str]] = None,
-           handle_signals: bool = True) -> LaunchResult:
-    """Runs ``script_argv`` as ``num_workers`` worker processes on 127.0.0.1.
+           handle_signals: bool = True, num_ps: int = 0,
+           preempt: Union[str, Sequence[Preemption], None] = None,
+           server_command: Optional[Sequence[str]] = None) -> LaunchResult:
+    """Runs ``script_argv`` as a TF_CONFIG cluster on 127.0.0.1.
+
+    With ``num_ps=0`` (default) the script runs as ``num_workers`` worker processes
+    (``{"cluster": {"worker": [...]}}``, MultiWorkerMirroredStrategy). With ``num_ps >= 1``
+    the cluster is ``{"chief": [1], "ps": [num_ps], "worker": [num_workers]}``
+    (ParameterServerStrategy): the chief runs the script, every ps and worker task runs
+    ``server_command``.
 
     Args:
         script_argv: ``[script, *args]``; a ``.py`` script runs under ``python``, any other
             executable directly.
         num_workers: number of worker processes, >= 1.
         cpus: CPU cap per worker (floats, None = uncapped), or text ``"0.2,none,0.9"``.
+            The chief and the parameter servers are never capped.
         schedule: cap changes mid-run: text ``"30:1=0.1;60:1=0.3"`` (seconds since the
             workers started: worker=cap) or a list of :class:`CapChange`. Restarts start
             the clock again.
         max_restarts: how often the whole cluster is started again (new ports) after a
-            worker failed. Default 0.
+            fatal failure (any worker without parameter servers; the chief or a ps with
+            them). Default 0.
         cap_method: "auto" (cgroup v1, v2, then duty cycle), "cgroup", "duty-cycle", "none".
         period_ms: cap period; default 10 ms for cgroups, 100 ms for the duty cycle.
         timeout: seconds for the whole launch, restarts included; then everything is
             stopped and the return code is 124. Default: none.
-        threads: if set, TF_NUM_INTEROP_THREADS, TF_NUM_INTRAOP_THREADS, OMP_NUM_THREADS.
-        env: extra environment variables for the workers (applied last).
-        python: interpreter for ``.py`` scripts; default ``sys.executable``.
-        grace: seconds between SIGTERM and SIGKILL when stopping workers. Default 3.
-        stdout, stderr: where the ``[worker i] ``-prefixed lines go; default sys.stdout /
-            sys.stderr at call time.
+        threads: if set, TF_NUM_INTEROP_THREADS, TF_NUM_INTRAOP_THREADS, OMP_NUM_THREADS
+            of every task; with parameter servers the worker tasks get at least 2 inter-op
+            threads (with 1 a ParameterServerStrategy worker deadlocks).
+        env: extra environment variables for every task (applied last).
+        python: interpreter for ``.py`` scripts and the default server; default
+            ``sys.executable``.
+        grace: seconds between SIGTERM and SIGKILL when stopping tasks. Default 3.
+        stdout, stderr: where the ``[worker i] ``-prefixed lines go (``[chief] ``,
+            ``[ps i] `` too with parameter servers); default sys.stdout / sys.stderr at
+            call time.
         handle_signals: in the main thread, turn SIGINT/SIGTERM of this process into a
             clean stop of the cluster (restored afterwards). Default True.
+        num_ps: number of parameter servers; 0 (default) for a worker-only cluster.
+        preempt: preemption events: text ``"30:1+10;60:0"`` (at 30 s SIGKILL worker 1's
+            process group and start it again 10 s later with the same TF_CONFIG; at 60 s
+            kill worker 0 for good) or a list of :class:`Preemption`. Times count from the
+            first start of the cluster; each event happens once per launch. Without
+            parameter servers a preemption is a worker failure (the attempt ends;
+            ``max_restarts`` applies) and ``+D`` restarts are not allowed. A restarted
+            worker keeps its CPU cap.
+        server_command: command of the ps and worker tasks (each gets its TF_CONFIG in the
+            environment); default ``[python, "-m", "tf_hetbatch.server"]``. Only with
+            ``num_ps >= 1``.
 
     Returns:
-        A :class:`LaunchResult`; ``result.ok`` only if every worker exited 0.
+        A :class:`LaunchResult`; ``result.ok`` only if every worker exited 0 (with
+        parameter servers: the chief exited 0).
 
     Raises:
         ValueError: bad argument (the message names the value and the fix).
         RuntimeError: ``cap_method="cgroup"`` but no writable cgroup hierarchy.
     """
     num_workers = _check_int(num_workers, "num_workers", 1, "pass e.g. num_workers=2.")
+    num_ps = _check_int(num_ps, "num_ps", 0, "pass 0 for a worker-only "
+                        "(MultiWorkerMirroredStrategy) cluster, or e.g. num_ps=1 for a "
+                        "chief + parameter server + workers (ParameterServerStrategy).")
     command = cluster.resolve_command(script_argv, python)
     caps_list = validate_cpus(cpus, num_workers) or [None] * num_workers
     changes = validate_schedule(schedule, num_workers)
+    preemptions = validate_preemptions(preempt, num_workers, num_ps)
+    servers = _server_command(server_command, num_ps, python)
     max_restarts = _check_int(max_restarts, "max_restarts", 0, "pass 0 for no restarts.")
     if threads is not None:
         _check_int(threads, "threads", 1, "pass e.g. threads=1, or None for TF's default.")
@@ -157,45 +224,116 @@ def launch(script_argv: Sequence[str], num_workers: int,
             old_handlers[sig] = signal.signal(sig, on_signal)
     deadline = None if timeout is None else time.monotonic() + timeout
     base_env = dict(os.environ)
+    plan = PreemptionPlan(preemptions)
+    events: List[str] = []
+    num_tasks = num_workers if not num_ps else 1 + num_ps + num_workers
+    if num_ps and threads is not None and threads < WORKER_MIN_INTEROP_THREADS:
+        logger.info("threads=%d, but worker tasks of a parameter-server cluster get "
+                    "TF_NUM_INTEROP_THREADS=%d (with 1 they deadlock).", threads,
+                    WORKER_MIN_INTEROP_THREADS)
     try:
         with make_caps(cap_method, num_workers, period_ms, needed=wants_caps) as caps:
             if wants_caps:
                 logger.info("CPU caps: %s; caps %s", caps.description, caps_list)
             attempt = 0
             while True:
-                outcome = run_attempt(command, num_workers, attempt, caps, caps_list,
-                                      changes, base_env, threads, env, stdout, stderr,
-                                      grace, deadline, stop)
+                reservation = cluster.PortReservation(num_tasks)
+                try:
+                    tasks = _tasks(reservation.ports, num_ps, num_workers, attempt, command,
+                                   servers, base_env, threads, env)
+                    logger.info("Attempt %d: %s", attempt, ", ".join(
+                        f"{t.name} at {cluster.HOST}:{p}"
+                        for t, p in zip(tasks, reservation.ports)))
+                    outcome = run_attempt(tasks, reservation, num_ps > 0, attempt, caps,
+                                          caps_list, changes, plan, stdout, stderr, grace,
+                                          deadline, stop, events)
+                finally:
+                    reservation.release()
                 if outcome.reason != "failed" or attempt >= max_restarts:
                     break
                 attempt += 1
-                logger.warning("Worker %d failed (%s); restarting the cluster "
-                               "(restart %d of %d).", outcome.failed.index,
-                               outcome.failed.describe(), attempt, max_restarts)
+                logger.warning("%s failed (%s); restarting the cluster (restart %d of %d).",
+                               outcome.failed.name, outcome.failed.describe(), attempt,
+                               max_restarts)
             return _result(outcome, attempt + 1, max_restarts, timeout, received,
-                           caps.method)
+                           caps.method, events)
     finally:
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
 
 
+def _server_command(command: Optional[Sequence[str]], num_ps: int,
+                    python: Optional[str]) -> List[str]:
+    """Validates ``server_command`` (see :func:`launch`) and returns the one to run."""
+    if command is None:
+        return cluster.server_command(python)
+    if not num_ps:
+        raise ValueError(f"`server_command` runs the ps and worker tasks of a parameter-server "
+                         f"cluster, but num_ps=0. Received: server_command={command!r}. "
+                         f"Fix: pass num_ps >= 1, or drop server_command.")
+    if isinstance(command, str) or not command or not all(
+            isinstance(a, str) for a in command):
+        raise ValueError(f"`server_command` must be a non-empty list of strings, e.g. "
+                         f"[sys.executable, '-m', 'tf_hetbatch.server']. "
+                         f"Received: server_command={command!r}")
+    return list(command)
+
+
+def _tasks(ports: Sequence[int], num_ps: int, num_workers: int, attempt: int,
+           command: Sequence[str], servers: Sequence[str], base_env: Mapping[str, str],
+           threads: Optional[int], extra: Optional[Mapping[str, str]]) -> List[TaskSpec]:
+    """The tasks of one attempt, in start order; task ``k`` listens on ``ports[k]``."""
+    if not num_ps:
+        return [TaskSpec("worker", i, tuple(command),
+                         cluster.worker_env(base_env, ports, i, attempt, threads, extra), i)
+                for i in range(num_workers)]
+    spec = cluster.ps_cluster(ports, num_ps)
+    tasks = []
+    for role, count, argv in (("chief", 1, command), ("ps", num_ps, servers),
+                              ("worker", num_workers, servers)):
+        # A ParameterServerStrategy worker with one inter-op thread deadlocks in the first
+        # scheduled function (it blocks that thread on reads from the ps).
+        min_interop = WORKER_MIN_INTEROP_THREADS if role == "worker" else 1
+        for i in range(count):
+            config = cluster.task_tf_config(spec, role, i)
+            env = cluster.task_env(base_env, config, attempt, threads, extra, min_interop)
+            tasks.append(TaskSpec(role, i, tuple(argv), env, i if role == "worker" else None))
+    return tasks
+
+
 def _result(outcome, attempts: int, max_restarts: int, timeout: Optional[float],
-            received, method: str) -> LaunchResult:
+            received, method: str, events: Sequence[str] = ()) -> LaunchResult:
     """Builds the :class:`LaunchResult` of the last attempt."""
     of = f"attempt {attempts} of {max_restarts + 1}"
     failed = outcome.failed
+    ps_mode = outcome.chief is not None
+    everyone = "all tasks" if ps_mode else "all workers"
     if outcome.reason == "ok":
-        code, message = 0, f"all {len(outcome.workers)} workers exited 0 ({of})"
+        code = 0
+        if ps_mode:
+            lost = (f"; tolerated {outcome.lost} worker exit"
+                    f"{'' if outcome.lost == 1 else 's'} on the way" if outcome.lost else "")
+            message = (f"chief exited 0; stopped {len(outcome.ps)} ps and "
+                       f"{len(outcome.workers)} worker tasks{lost} ({of})")
+        else:
+            message = f"all {len(outcome.workers)} workers exited 0 ({of})"
     elif outcome.reason == "failed":
-        code = failed.returncode if failed.returncode > 0 else 128 - failed.returncode
-        message = (f"worker {failed.index} failed: {failed.describe()}; stopped the other "
-                   f"workers ({of}" + (", no restarts left)" if max_restarts else ")"))
+        if failed.returncode == 0:  # A ps that exited 0 while the chief was running.
+            code = 1
+        else:
+            code = failed.returncode if failed.returncode > 0 else 128 - failed.returncode
+        others = ("the other tasks" if ps_mode and failed.role != "chief"
+                  else "the ps and worker tasks" if ps_mode else "the other workers")
+        early = " before the chief finished" if failed.role == "ps" else ""
+        message = (f"{failed.name} failed{early}: {failed.describe()}; stopped {others} "
+                   f"({of}" + (", no restarts left)" if max_restarts else ")"))
     elif outcome.reason == "timeout":
         code = TIMEOUT_EXIT_CODE
-        message = f"timed out after {timeout:g} s; stopped all workers ({of})"
+        message = f"timed out after {timeout:g} s; stopped {everyone} ({of})"
     else:
         signum = received[0] if received else signal.SIGINT
         code = 128 + signum
-        message = f"interrupted by {signal_name(signum)}; stopped all workers ({of})"
+        message = f"interrupted by {signal_name(signum)}; stopped {everyone} ({of})"
     return LaunchResult(code, message, attempts, tuple(outcome.workers),
-                        failed.index if failed else None, method)
+                        failed.index if failed and failed.role == "worker" else None, method,
+                        outcome.chief, tuple(outcome.ps), failed, tuple(events))

@@ -6,9 +6,15 @@ Also installed as ``tf-hetbatch-launch``. Examples::
     tf-hetbatch-launch --workers 3 --cpus 0.2,0.3,0.9 --threads 1 train.py
     tf-hetbatch-launch --workers 2 --cpus 0.8,0.8 --schedule "30:1=0.2;60:1=0.8" train.py
     tf-hetbatch-launch --workers 2 --max-restarts 3 --timeout 600 train.py
+    tf-hetbatch-launch --workers 2 --preempt 60:1 --max-restarts 1 train.py
 
-Exit status: 0 only if all workers exit 0; otherwise the failed worker's code (128+signal
-if it died by a signal), 124 on --timeout, 130/143 when interrupted; 2 for bad arguments.
+    # ParameterServerStrategy: the chief runs train_ps.py; 1 ps and 3 workers run
+    # `python -m tf_hetbatch.server`. Worker 2 is preempted at 30 s and back at 45 s.
+    tf-hetbatch-launch --ps 1 --workers 3 --cpus 0.9,0.5,0.2 --preempt "30:2+15" train_ps.py
+
+Exit status: 0 only if all workers exit 0 (with --ps: the chief exits 0); otherwise the
+failed task's code (128+signal if it died by a signal; a worker without --ps, the chief or a
+ps with --ps), 124 on --timeout, 130/143 when interrupted; 2 for bad arguments.
 """
 
 import argparse
@@ -18,23 +24,36 @@ from typing import List, Optional
 
 from tf_hetbatch.launch import launch
 from tf_hetbatch.launch.cpu_caps import CAP_METHODS
-from tf_hetbatch.launch.schedule import parse_cpus, parse_schedule
+from tf_hetbatch.launch.schedule import parse_cpus, parse_preemptions, parse_schedule
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Returns the argument parser of the launcher."""
     p = argparse.ArgumentParser(
         prog="tf-hetbatch-launch",
-        description="Run a training script as N TF_CONFIG worker processes on 127.0.0.1, "
-                    "optionally with CPU caps per worker.",
+        description="Run a training script as N TF_CONFIG worker processes on 127.0.0.1 "
+                    "(or, with --ps, as the chief of a parameter-server cluster), "
+                    "optionally with CPU caps per worker and preemptions.",
         epilog="Everything after the script path is passed to the script.")
     p.add_argument("--workers", type=int, required=True, metavar="N",
-                   help="number of worker processes")
+                   help="number of worker processes (with --ps: worker tasks that serve "
+                        "while the chief runs the script)")
+    p.add_argument("--ps", type=int, default=0, metavar="N",
+                   help="number of parameter servers; N >= 1 starts a ParameterServerStrategy "
+                        "cluster: a chief runs the script, N ps and the workers run "
+                        "`python -m tf_hetbatch.server`; the chief's exit decides, a ps "
+                        "failure is fatal, a lost worker is only logged (default 0: workers "
+                        "only, MultiWorkerMirroredStrategy)")
     p.add_argument("--cpus", metavar="C0,C1,...",
                    help="CPU cap per worker, e.g. 0.2,0.3,0.9 ('none' = uncapped)")
     p.add_argument("--schedule", metavar="T:W=C;...",
                    help="cap changes mid-run, seconds since start: worker=cap, e.g. "
                         "'30:1=0.1;60:1=0.3,0=none'")
+    p.add_argument("--preempt", metavar="T:W[+D];...",
+                   help="preempt workers: at T seconds after the first start SIGKILL worker W "
+                        "(its process group); with +D start it again D seconds later with "
+                        "the same TF_CONFIG and cap (needs --ps), e.g. '30:1+10;60:0'. "
+                        "Without --ps a preemption is a worker failure")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="restart the whole cluster up to N times after a failure (default 0)")
     p.add_argument("--cap-method", choices=CAP_METHODS, default="auto",
@@ -44,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="stop everything after this many seconds (exit 124)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="set TF_NUM_INTEROP_THREADS, TF_NUM_INTRAOP_THREADS, OMP_NUM_THREADS")
+                   help="set TF_NUM_INTEROP_THREADS, TF_NUM_INTRAOP_THREADS, OMP_NUM_THREADS "
+                        "(with --ps, worker tasks get at least 2 inter-op threads)")
     p.add_argument("--grace", type=float, default=3.0, metavar="SECONDS",
                    help="seconds between SIGTERM and SIGKILL when stopping (default 3)")
     p.add_argument("-q", "--quiet", action="store_true", help="only warnings from the launcher")
@@ -62,12 +82,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.workers < 1:
             raise ValueError(f"--workers must be >= 1. Received: --workers {args.workers}")
+        if args.ps < 0:
+            raise ValueError(f"--ps must be >= 0. Received: --ps {args.ps}. Fix: omit --ps "
+                             f"for a worker-only cluster, or pass e.g. --ps 1.")
         cpus = parse_cpus(args.cpus, args.workers) if args.cpus is not None else None
         schedule = parse_schedule(args.schedule) if args.schedule is not None else None
+        preempt = parse_preemptions(args.preempt) if args.preempt is not None else None
         result = launch([args.script, *args.script_args], args.workers, cpus=cpus,
                         schedule=schedule, max_restarts=args.max_restarts,
                         cap_method=args.cap_method, period_ms=args.period_ms,
-                        timeout=args.timeout, threads=args.threads, grace=args.grace)
+                        timeout=args.timeout, threads=args.threads, grace=args.grace,
+                        num_ps=args.ps, preempt=preempt)
     except (ValueError, RuntimeError) as e:
         parser.error(str(e))  # Exits with status 2.
     print(f"[launch] {result.message}", file=sys.stderr, flush=True)

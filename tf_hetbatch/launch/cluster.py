@@ -1,8 +1,12 @@
-"""Cluster description for a local launch: free ports, TF_CONFIG, worker commands and env.
+"""Cluster description for a local launch: free ports, TF_CONFIG, task commands and env.
 
 The training script sees exactly what a cluster tool (Kubernetes operator, Slurm script,
 managed service) would give it: a ``TF_CONFIG`` environment variable of the form
-``{"cluster": {"worker": ["127.0.0.1:p0", ...]}, "task": {"type": "worker", "index": i}}``.
+``{"cluster": {"worker": ["127.0.0.1:p0", ...]}, "task": {"type": "worker", "index": i}}``
+(MultiWorkerMirroredStrategy), or with parameter servers
+``{"cluster": {"chief": [...], "ps": [...], "worker": [...]}, "task": {"type": "ps",
+"index": 0}}`` (ParameterServerStrategy: the chief runs the script, ps and worker tasks run
+``python -m tf_hetbatch.server``).
 
 Pure Python stdlib: no TensorFlow.
 """
@@ -16,6 +20,8 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set
 HOST = "127.0.0.1"
 RESTART_ENV = "TF_HETBATCH_RESTART"
 THREAD_ENVS = ("TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS", "OMP_NUM_THREADS")
+ROLES = ("chief", "ps", "worker")
+SERVER_MODULE = "tf_hetbatch.server"
 
 
 class PortReservation:
@@ -47,12 +53,40 @@ class PortReservation:
         self._sockets = []
 
 
+def task_name(role: str, index: int) -> str:
+    """How logs and messages name a task: ``"chief"`` (there is one), ``"ps 0"``,
+    ``"worker 1"``."""
+    return role if role == "chief" else f"{role} {index}"
+
+
 def tf_config(ports: Sequence[int], index: int) -> str:
     """Returns the TF_CONFIG JSON for worker ``index`` of a loopback cluster on ``ports``."""
+    return task_tf_config({"worker": addresses(ports)}, "worker", index)
+
+
+def addresses(ports: Sequence[int]) -> List[str]:
+    """``[p0, p1]`` -> ``["127.0.0.1:p0", "127.0.0.1:p1"]``."""
+    return [f"{HOST}:{p}" for p in ports]
+
+
+def ps_cluster(ports: Sequence[int], num_ps: int) -> Dict[str, List[str]]:
+    """The cluster of a ParameterServerStrategy launch on ``1 + num_ps + num_workers`` ports:
+    ``{"chief": [ports[0]], "ps": [the next num_ps], "worker": [the rest]}`` on 127.0.0.1."""
+    hosts = addresses(ports)
+    return {"chief": hosts[:1], "ps": hosts[1:1 + num_ps], "worker": hosts[1 + num_ps:]}
+
+
+def task_tf_config(spec: Mapping[str, Sequence[str]], role: str, index: int) -> str:
+    """Returns the TF_CONFIG JSON of task ``role:index`` of the cluster ``spec``."""
     return json.dumps({
-        "cluster": {"worker": [f"{HOST}:{p}" for p in ports]},
-        "task": {"type": "worker", "index": index},
+        "cluster": {r: list(spec[r]) for r in spec},
+        "task": {"type": role, "index": index},
     })
+
+
+def server_command(python: Optional[str] = None) -> List[str]:
+    """Command of a ps or worker task: ``[python, "-m", "tf_hetbatch.server"]``."""
+    return [python or sys.executable, "-m", SERVER_MODULE]
 
 
 def resolve_command(script_argv: Sequence[str], python: Optional[str] = None) -> List[str]:
@@ -87,19 +121,30 @@ def resolve_command(script_argv: Sequence[str], python: Optional[str] = None) ->
 def worker_env(base: Mapping[str, str], ports: Sequence[int], index: int, attempt: int,
                threads: Optional[int] = None,
                extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    """Returns the environment of worker ``index``.
+    """Returns the environment of worker ``index`` of a MultiWorkerMirrored cluster on
+    ``ports`` (see :func:`task_env`)."""
+    return task_env(base, tf_config(ports, index), attempt, threads, extra)
+
+
+def task_env(base: Mapping[str, str], config: str, attempt: int,
+             threads: Optional[int] = None,
+             extra: Optional[Mapping[str, str]] = None,
+             min_interop: int = 1) -> Dict[str, str]:
+    """Returns the environment of a task whose TF_CONFIG is ``config``.
 
     Sets ``TF_CONFIG``, ``TF_HETBATCH_RESTART=<attempt>`` (0 on the first launch),
     ``PYTHONUNBUFFERED=1`` (so that output lines arrive as they are printed) and, when
-    ``threads`` is given, the TensorFlow/OpenMP thread counts. ``extra`` is applied last.
+    ``threads`` is given, the TensorFlow/OpenMP thread counts (the inter-op count at least
+    ``min_interop``). ``extra`` is applied last.
     """
     env = dict(base)
-    env["TF_CONFIG"] = tf_config(ports, index)
+    env["TF_CONFIG"] = config
     env[RESTART_ENV] = str(attempt)
     env["PYTHONUNBUFFERED"] = "1"
     if threads is not None:
         for name in THREAD_ENVS:
             env[name] = str(threads)
+        env["TF_NUM_INTEROP_THREADS"] = str(max(threads, min_interop))
     if extra:
         env.update({str(k): str(v) for k, v in extra.items()})
     return env

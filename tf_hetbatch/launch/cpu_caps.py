@@ -17,9 +17,11 @@ Methods, in the order ``auto`` tries them:
   period from the worker's measured CPU time so that it averages ``c`` CPUs (see
   :class:`DutyCycleCaps`). Coarser than a quota: CPU arrives in bursts of one period.
 
-Every object has the same shape: ``attach(i, pid)``, ``set_cap(i, cap)``, ``release()``
-(lift all caps and forget the processes; call it before stopping them) and ``close()``
-(remove the groups). ``method`` and ``description`` say what is in force.
+Every object has the same shape: ``attach(i, pid)``, ``detach(i)`` (forget worker ``i``'s
+process, keep its cap for the next ``attach``: a preempted worker that is started again is
+capped as before), ``set_cap(i, cap)``, ``release()`` (lift all caps and forget the
+processes; call it before stopping them) and ``close()`` (remove the groups). ``method``
+and ``description`` say what is in force.
 
 Pure Python stdlib: no TensorFlow.
 """
@@ -96,6 +98,10 @@ class CpuCaps:
 
     def attach(self, index: int, pid: int) -> None:
         """Puts the (just started) worker ``index`` with process id ``pid`` under its cap."""
+
+    def detach(self, index: int) -> None:
+        """Forgets worker ``index``'s process (about to be killed); its cap stays set and
+        applies to the next process attached as ``index``."""
 
     def set_cap(self, index: int, cap: Cap) -> None:
         """Sets worker ``index``'s cap in CPUs (``None`` lifts it); effective at once."""
@@ -300,6 +306,11 @@ class DutyCycleCaps(CpuCaps):
             self._thread = threading.Thread(target=self._run, name="tf_hetbatch-duty-cycle",
                                             daemon=True)
             self._thread.start()
+
+    def detach(self, index: int) -> None:
+        with self._lock:
+            self._groups.pop(index, None)
+            self._loop.pop(index, None)
 
     def set_cap(self, index: int, cap: Cap) -> None:
         with self._lock:

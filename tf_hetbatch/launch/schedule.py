@@ -1,14 +1,20 @@
-"""CPU caps as validated values: the `--cpus` list and the `--schedule` of changes.
+"""Launch timelines as validated values: `--cpus`, the `--schedule` of cap changes and the
+`--preempt` events.
 
 A cap is a number of CPUs (a float > 0, at most the number of CPUs of the machine), or
 ``None`` for "no cap". A schedule is a list of :class:`CapChange` values, each saying
-"``seconds`` after the cluster started, set worker ``worker``'s cap to ``cap``".
+"``seconds`` after the cluster started, set worker ``worker``'s cap to ``cap``". A
+preemption plan is a list of :class:`Preemption` values, each saying "``at`` seconds after
+the cluster first started, SIGKILL worker ``worker`` (and start it again ``restart_after``
+seconds later)".
 
 Readable text forms, used by the command line:
 
 * caps: ``"0.2,0.3,0.9"`` (one value per worker; ``none`` for an uncapped worker);
 * schedule: ``"30:1=0.1;60:1=0.3,0=none"``: entries separated by ``;``, each
-  ``SECONDS:WORKER=CAP[,WORKER=CAP...]``.
+  ``SECONDS:WORKER=CAP[,WORKER=CAP...]``;
+* preemptions: ``"30:1+10;60:0"``: entries separated by ``;``, each
+  ``SECONDS:WORKER[+DOWN_SECONDS][,WORKER[+DOWN_SECONDS]...]``.
 
 Pure Python: no TensorFlow.
 """
@@ -21,6 +27,7 @@ from typing import List, Optional, Sequence, Union
 Cap = Optional[float]
 
 _SCHEDULE_FORM = "SECONDS:WORKER=CAP[,WORKER=CAP];... e.g. '30:1=0.1;60:1=0.3'"
+_PREEMPT_FORM = "SECONDS:WORKER[+DOWN_SECONDS][,...];... e.g. '30:1+10;60:0'"
 
 
 def available_cpus() -> int:
@@ -218,3 +225,129 @@ def validate_schedule(schedule: Union[str, Sequence[CapChange], None],
                 f"Fix: use a worker index below {num_workers}."
             )
     return changes
+
+
+def _finite(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class Preemption:
+    """At ``at`` seconds, SIGKILL worker ``worker``'s process group (a preempted server).
+
+    Args:
+        at: seconds since the cluster first started. Each event happens once per launch:
+            a restart of the whole cluster (``max_restarts``) does not replay past events.
+        worker: worker index, 0-based.
+        restart_after: if set, start the worker again this many seconds later, with the
+            same TF_CONFIG (same address) and CPU cap. Only with parameter servers
+            (``num_ps >= 1``), where a returning worker rejoins the running job.
+    """
+
+    at: float
+    worker: int
+    restart_after: Optional[float] = None
+
+    def __post_init__(self):
+        if not (_finite(self.at) and self.at >= 0):
+            raise ValueError(f"A preemption time must be a number of seconds >= 0. "
+                             f"Received: at={self.at!r}. Fix: use a time >= 0, e.g. 30.")
+        if isinstance(self.worker, bool) or not isinstance(self.worker, int) \
+                or self.worker < 0:
+            raise ValueError(f"A preempted worker must be an index >= 0. "
+                             f"Received: worker={self.worker!r}. Fix: e.g. 1 for worker 1.")
+        if self.restart_after is not None and not (_finite(self.restart_after)
+                                                   and self.restart_after >= 0):
+            raise ValueError(f"`restart_after` must be a number of seconds >= 0, or None for "
+                             f"a worker that does not come back. "
+                             f"Received: restart_after={self.restart_after!r}")
+        object.__setattr__(self, "at", float(self.at))
+        if self.restart_after is not None:
+            object.__setattr__(self, "restart_after", float(self.restart_after))
+
+    def __str__(self) -> str:
+        back = "" if self.restart_after is None else f"+{self.restart_after:g}"
+        return f"{self.at:g}:{self.worker}{back}"
+
+
+def parse_preemptions(text: str) -> List[Preemption]:
+    """Parses ``"30:1+10;60:0"`` into a time-sorted list of :class:`Preemption`.
+
+    ``30:1+10`` kills worker 1 at 30 s and starts it again at 40 s; ``60:0`` kills worker 0
+    at 60 s for good.
+
+    Raises:
+        ValueError: the text does not have the form ``SECONDS:WORKER[+DOWN];...``.
+    """
+    events: List[Preemption] = []
+    for entry in text.split(";"):
+        entry = entry.strip()
+        if not entry:
+            continue
+        when, sep, items = entry.partition(":")
+        if not sep or not items.strip():
+            raise ValueError(f"--preempt entry {entry!r} has no ':'. Expected {_PREEMPT_FORM}. "
+                             f"Received: --preempt {text!r}")
+        try:
+            seconds = float(when)
+        except ValueError:
+            raise ValueError(f"--preempt time {when.strip()!r} in entry {entry!r} is not a "
+                             f"number of seconds. Expected {_PREEMPT_FORM}.") from None
+        for item in items.split(","):
+            worker_text, plus, down_text = item.partition("+")
+            try:
+                worker = int(worker_text)
+                down = float(down_text) if plus else None
+            except ValueError:
+                raise ValueError(f"--preempt item {item.strip()!r} in entry {entry!r} is not "
+                                 f"WORKER or WORKER+DOWN_SECONDS. Expected {_PREEMPT_FORM}."
+                                 ) from None
+            try:
+                events.append(Preemption(seconds, worker, down))
+            except ValueError as e:
+                raise ValueError(f"--preempt entry {entry!r}: {e}") from None
+    if not events:
+        raise ValueError(f"--preempt is empty. Expected {_PREEMPT_FORM}. Received: {text!r}")
+    return sorted(events, key=lambda e: e.at)
+
+
+def validate_preemptions(preempt: Union[str, Sequence[Preemption], None], num_workers: int,
+                         num_ps: int) -> List[Preemption]:
+    """Checks preemption events (text or list of :class:`Preemption`) against the cluster.
+
+    Returns:
+        The events sorted by time (stable for equal times); empty if ``preempt`` is None.
+
+    Raises:
+        ValueError: bad syntax, a worker index out of range, or ``restart_after`` without
+            parameter servers.
+        TypeError: an element is not a :class:`Preemption`.
+    """
+    if preempt is None:
+        return []
+    if isinstance(preempt, str):
+        events = parse_preemptions(preempt)
+    else:
+        events = list(preempt)
+        for event in events:
+            if not isinstance(event, Preemption):
+                raise TypeError(f"`preempt` must be a string or a list of Preemption. "
+                                f"Received an element {event!r}")
+        events.sort(key=lambda e: e.at)
+    for event in events:
+        if event.worker >= num_workers:
+            raise ValueError(
+                f"The preemption {str(event)!r} names worker {event.worker}, but there are "
+                f"only {num_workers} workers (0..{num_workers - 1}). "
+                f"Fix: use a worker index below {num_workers}."
+            )
+        if event.restart_after is not None and num_ps == 0:
+            raise ValueError(
+                f"The preemption {str(event)!r} restarts worker {event.worker} after "
+                f"{event.restart_after:g} s, but restarting a single worker needs parameter "
+                f"servers: a MultiWorkerMirroredStrategy cluster cannot take a worker back. "
+                f"Fix: launch with --ps 1 (num_ps=1), or drop '+{event.restart_after:g}' "
+                f"and use --max-restarts to restart the whole cluster."
+            )
+    return events

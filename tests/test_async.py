@@ -1,0 +1,127 @@
+"""Asynchronous training (AsyncTrainer on HeteroParameterServerStrategy) with real processes.
+
+Each test launches a chief, one parameter server and workers on 127.0.0.1 through the
+launcher (`num_ps=1`); the chief runs a script from tests/workers and writes a JSON result.
+"""
+
+import glob
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_hetbatch.launch import launch
+
+HERE = os.path.join(os.path.dirname(__file__), "workers")
+TRAIN = os.path.join(HERE, "asp_train.py")
+EXACT = os.path.join(HERE, "asp_exact.py")
+
+
+def run_async(script, out, *args, num_workers=2, cpus=None, max_restarts=0, timeout=240,
+              expect_ok=True):
+    log = io.StringIO()
+    result = launch([script, "--out", str(out), *args], num_workers, num_ps=1, threads=1,
+                    cpus=cpus, max_restarts=max_restarts, timeout=timeout, stdout=log,
+                    stderr=log, handle_signals=False)
+    text = log.getvalue()
+    if expect_ok:
+        assert result.ok, result.message + "\n" + text[-5000:]
+    with open(out) as f:
+        return json.load(f), result, text
+
+
+def test_workers_train_with_their_own_batch_sizes(tmp_path):
+    data, _, _ = run_async(TRAIN, tmp_path / "r.json", "--sizes", "24,8", "--epochs", "2",
+                           "--steps", "40")
+    samples, updates = np.array(data["samples"]), np.array(data["updates"])
+    # Every update of worker k used exactly b_k examples, and every scheduled step ran once.
+    np.testing.assert_array_equal(samples, np.array([24, 8]) * updates)
+    assert updates.sum() == data["update_count"] == 80
+    assert np.all(updates > 0)
+    # Staleness: one histogram entry per update, per worker.
+    np.testing.assert_array_equal(np.array(data["staleness_histogram"]).sum(axis=1), updates)
+    history = data["history"]
+    assert len(history["staleness"]) == 2 and all(s >= 0 for s in history["staleness"])
+    # It learns: validation loss falls and accuracy is well above chance (1/3).
+    assert history["val_loss"][-1] < history["val_loss"][0]
+    assert history["val_accuracy"][-1] > 0.7
+    assert data["evaluate"]["accuracy"] == pytest.approx(history["val_accuracy"][-1])
+
+
+def test_linear_gradient_scaling_gives_every_sample_the_same_weight(tmp_path):
+    data, _, _ = run_async(EXACT, tmp_path / "s.json", "--mode", "scaling", "--sizes", "24,8",
+                           "--steps", "30")
+    np.testing.assert_array_equal(np.array(data["samples"]), np.array([24, 8]) *
+                                  np.array(data["updates"]))
+    np.testing.assert_allclose(data["weights"], data["expected_scaled"], rtol=0, atol=1e-5)
+    # Negative control: without the b_k / mean(b) scaling the weights would differ.
+    assert np.max(np.abs(np.subtract(data["weights"], data["expected_unscaled"]))) > 1e-2
+
+
+def test_one_worker_equals_plain_sgd_on_one_device(tmp_path):
+    data, _, _ = run_async(EXACT, tmp_path / "ref.json", "--mode", "reference", "--steps",
+                           "20", num_workers=1)
+    assert data["update_count"] == 20
+    assert data["moved"] > 1e-3
+    assert data["max_abs_diff"] <= 1e-6
+
+
+def test_dynamic_batching_splits_by_worker_speed_and_logs_staleness(tmp_path):
+    """Also: Keras's TensorBoard, EarlyStopping and CSVLogger callbacks work with the trainer."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    logs = tmp_path / "logs"
+    data, _, _ = run_async(TRAIN, tmp_path / "d.json", "--dynamic", "--log-dir", str(logs),
+                           "--keras-callbacks", str(logs), "--epochs", "2", "--steps", "40",
+                           cpus=[0.9, 0.15])
+    first = data["adjustments"][0]
+    assert first["reason"].startswith("initial split: proportional to nominal peak")
+    # The static split read each worker's own CPU cap on the worker: 0.9 vs 0.15.
+    assert first["new"][0] > 3 * first["new"][1]
+    assert sum(data["batch_sizes"]) == 32 and data["batch_sizes"][0] > data["batch_sizes"][1]
+    for k in range(2):
+        run = logs / "hetbatch" / f"replica_{k}"
+        acc = event_accumulator.EventAccumulator(str(run))
+        acc.Reload()
+        tags = set(acc.Tags()["tensors"])
+        assert {"hetbatch/batch_size", "hetbatch/staleness_mean",
+                "hetbatch/staleness_max"} <= tags, tags
+        means = [float(tf.make_ndarray(e.tensor_proto))
+                 for e in acc.Tensors("hetbatch/staleness_mean")]
+        assert means and all(m >= 0 for m in means)
+    assert glob.glob(str(logs / "hetbatch" / "cluster" / "events.*"))
+    for run in ("train", "validation"):  # keras.callbacks.TensorBoard beside our runs
+        assert glob.glob(str(logs / run / "events.*")), run
+    csv = (logs / "log.csv").read_text().splitlines()
+    assert csv[0].split(",") == ["epoch", "accuracy", "loss", "staleness", "val_accuracy",
+                                 "val_loss"] and len(csv) == 3
+
+
+def test_a_killed_worker_does_not_stop_training(tmp_path):
+    data, result, text = run_async(TRAIN, tmp_path / "k.json", "--epochs", "3", "--steps",
+                                   "40", "--kill-after-epoch", "worker:1")
+    assert "killing worker:1" in text
+    assert data["update_count"] == 120  # every scheduled update ran, on the survivor after
+    assert len(data["history"]["val_accuracy"]) == 3
+    assert data["history"]["val_loss"][-1] < data["history"]["val_loss"][0]
+    assert data["updates"][0] > data["updates"][1]
+    assert any("worker 1" in event for event in result.events), result.events
+
+
+def test_a_lost_parameter_server_stops_with_a_checkpoint_to_resume_from(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    data, result, text = run_async(
+        TRAIN, tmp_path / "p.json", "--epochs", "3", "--steps", "40", "--checkpoint-dir",
+        str(ckpt), "--kill-after-epoch", "ps:0", max_restarts=1)
+    assert "killing ps:0" in text
+    assert result.attempts == 2
+    # The first attempt's chief saved epoch 1 before the kill; the second resumed from it
+    # and trained epochs 2 and 3 only.
+    assert len(data["history"]["val_accuracy"]) == 2
+    assert data["update_count"] == 80
+    meta = json.loads((ckpt / "hetbatch_async.json").read_text())
+    assert meta["epoch"] == 3 and meta["step"] == 120
+    assert data["history"]["val_accuracy"][-1] > 0.7

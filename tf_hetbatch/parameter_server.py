@@ -1,0 +1,285 @@
+"""HeteroParameterServerStrategy: ParameterServerStrategy with a per-worker batch split.
+
+Asynchronous (ASP) training on TensorFlow's parameter-server runtime: every worker pulls the
+weights, computes a gradient on its own mini-batch and pushes its update, without waiting for
+the others. A slow worker does not stall the fast ones, but its updates are stale. Giving
+worker k a batch b_k in proportion to its speed (sum b_k = B constant) evens out the workers'
+iteration times and so the staleness; scaling each update by b_k / mean(b) (linear gradient
+scaling) keeps every sample's weight the same.
+
+The strategy holds the split and, in variables on the parameter servers, what the training
+steps measure per worker: compute seconds, samples, updates and the staleness of each update.
+It speaks the same protocol as the synchronous strategies (`batch_sizes`, `set_batch_sizes`,
+`read_replica_times`, ...), with workers in place of replicas, so `DynamicBatching` drives it
+unchanged. Training runs through :class:`tf_hetbatch.AsyncTrainer` (Keras 3 `fit` does not
+support ParameterServerStrategy).
+"""
+
+import dataclasses
+import logging
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_hetbatch import devices as _devices
+from tf_hetbatch import split
+from tf_hetbatch import timing
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STALENESS_BINS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Staleness:
+    """Staleness of the updates of each worker: global updates between its read and its update.
+
+    Attributes:
+        histogram: int64 [K, bins]: ``histogram[k, s]`` counts worker k's updates that were
+            s updates stale; the last bin counts ``bins - 1`` or more.
+    """
+
+    histogram: np.ndarray
+
+    @property
+    def updates(self) -> np.ndarray:
+        """Updates counted per worker."""
+        return self.histogram.sum(axis=1)
+
+    @property
+    def mean(self) -> np.ndarray:
+        """Mean staleness per worker (NaN for a worker without updates; the last bin counts
+        as its lower bound)."""
+        bins = np.arange(self.histogram.shape[1])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.updates > 0, self.histogram @ bins / self.updates, np.nan)
+
+    @property
+    def max(self) -> np.ndarray:
+        """Largest staleness seen per worker (-1 for a worker without updates)."""
+        seen = self.histogram > 0
+        last = self.histogram.shape[1] - 1 - np.argmax(seen[:, ::-1], axis=1)
+        return np.where(seen.any(axis=1), last, -1)
+
+    def overall(self) -> np.ndarray:
+        """Histogram over all workers, int64 [bins]."""
+        return self.histogram.sum(axis=0)
+
+    def __sub__(self, other: "Staleness") -> "Staleness":
+        return Staleness(self.histogram - other.histogram)
+
+
+class HeteroParameterServerStrategy(tf.distribute.ParameterServerStrategy):
+    """`tf.distribute.ParameterServerStrategy` whose workers get mini-batches of their own size.
+
+    Create it on the chief (the coordinator) exactly like the stock strategy, build the model
+    under `strategy.scope()` and train with :class:`tf_hetbatch.AsyncTrainer`. The batch split
+    is over workers: `batch_sizes[k]` is worker k's mini-batch, and their sum is the batch a
+    round of K updates consumes. Until `set_batch_sizes` (or `DynamicBatching`) sets it, the
+    trainer splits evenly. Only one replica per worker is supported (a CPU or one GPU).
+
+    Args:
+        cluster_resolver: as for the stock strategy; default
+            `tf.distribute.cluster_resolver.TFConfigClusterResolver()` (TF_CONFIG with
+            "chief", "ps" and "worker" tasks).
+        variable_partitioner: as for the stock strategy. Default None.
+        staleness_bins: size of the per-worker staleness histogram; the last bin counts
+            updates `staleness_bins - 1` or more stale. Default 64.
+
+    Raises:
+        ValueError: no worker in the cluster, more than one replica per worker, or a bad
+            `staleness_bins`.
+
+    Example:
+
+        strategy = hb.HeteroParameterServerStrategy()   # on the chief, TF_CONFIG set
+        with strategy.scope():
+            model = make_model()
+        trainer = hb.AsyncTrainer(model, "sgd", "sparse_categorical_crossentropy")
+        trainer.fit(dataset_fn, batch_size=32, epochs=3, steps_per_epoch=200,
+                    callbacks=[hb.DynamicBatching()])
+    """
+
+    def __init__(self, cluster_resolver=None, variable_partitioner=None,
+                 staleness_bins: int = DEFAULT_STALENESS_BINS):
+        if isinstance(staleness_bins, bool) or not isinstance(staleness_bins, int) \
+                or staleness_bins < 2:
+            raise ValueError(f"`staleness_bins` must be an int >= 2. Received: "
+                             f"staleness_bins={staleness_bins!r}. Fix: e.g. 64.")
+        if cluster_resolver is None:
+            cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        num_workers = len(cluster_resolver.cluster_spec().as_dict().get("worker", []))
+        if num_workers < 1:
+            raise ValueError("The cluster has no 'worker' task. Received cluster: "
+                             f"{cluster_resolver.cluster_spec().as_dict()}. Fix: TF_CONFIG "
+                             "needs 'chief', 'ps' and 'worker' addresses.")
+        super().__init__(cluster_resolver, variable_partitioner)
+        if self.num_replicas_in_sync != 1:
+            raise ValueError(f"HeteroParameterServerStrategy supports one replica per worker; "
+                             f"this cluster has {self.num_replicas_in_sync}. Fix: give each "
+                             "worker task one GPU (CUDA_VISIBLE_DEVICES) or none.")
+        self._num_workers = num_workers
+        self._batch_sizes: Optional[Tuple[int, ...]] = None
+        self._total: Optional[int] = None
+        self._staleness_bins = staleness_bins
+        with self.scope():
+            zeros = tf.zeros([num_workers], tf.float64)
+            self._seconds = tf.Variable(zeros, trainable=False, name="hetbatch_seconds")
+            self._samples = tf.Variable(zeros, trainable=False, name="hetbatch_samples")
+            self._steps = tf.Variable(zeros, trainable=False, name="hetbatch_steps")
+            self._updates = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                        name="hetbatch_updates")
+            self._stale = tf.Variable(tf.zeros([num_workers, staleness_bins], tf.int64),
+                                      trainable=False, name="hetbatch_staleness")
+        self._times_read = timing.ReplicaTimes(np.zeros(num_workers), np.zeros(num_workers),
+                                               np.zeros(num_workers))
+        self._staleness_read = Staleness(np.zeros([num_workers, staleness_bins], np.int64))
+
+    # ----------------------------------------------------------------- the split ---------------
+    @property
+    def num_workers(self) -> int:
+        """Number of worker tasks."""
+        return self._num_workers
+
+    @property
+    def num_parts(self) -> int:
+        """Number of parts each batch round is split into: the workers."""
+        return self._num_workers
+
+    @property
+    def batch_sizes(self) -> Optional[Tuple[int, ...]]:
+        """Per-worker mini-batch sizes, in worker order (even split until set; None while the
+        total is unknown, i.e. before the trainer's first `fit`)."""
+        if self._batch_sizes is not None:
+            return self._batch_sizes
+        if self._total is not None:
+            return split.split_evenly(self._total, self._num_workers)
+        return None
+
+    @property
+    def global_batch_size(self) -> Optional[int]:
+        """Sum of the per-worker batch sizes: the samples of one round of K updates."""
+        return self._total
+
+    def set_batch_sizes(self, sizes: Sequence[int]) -> None:
+        """Sets each worker's mini-batch size, effective for the steps scheduled from now on.
+
+        Args:
+            sizes: one int >= 1 per worker, summing to `global_batch_size` once it is known.
+
+        Raises:
+            ValueError: wrong length, a size below 1 (a worker with nothing to do would spin),
+                non-integers, or a different sum.
+        """
+        sizes = split.validate_sizes(sizes, self._num_workers, self._total)
+        if min(sizes) < 1:
+            raise ValueError(f"Every worker needs a batch of at least 1 sample in asynchronous "
+                             f"training. Received: batch_sizes={list(sizes)}. Fix: give each "
+                             "worker >= 1 (e.g. DynamicBatching(min_sizes=1)), or stop the "
+                             "worker's task to leave it out.")
+        self._total = sum(sizes)
+        self._batch_sizes = tuple(sizes)
+        logger.debug("worker batch sizes set to %s", self._batch_sizes)
+
+    def _set_total(self, total: int) -> None:
+        """Fixes the round's total batch (the trainer does, from `batch_size` x workers)."""
+        if self._total is not None and self._batch_sizes is not None and total != self._total:
+            logger.info("Batch total changed from %d to %d: back to an even split.",
+                        self._total, total)
+            self._batch_sizes = None
+        self._total = int(total)
+
+    def _sizes_tensor(self) -> tf.Tensor:
+        return tf.constant(self.batch_sizes, tf.int32)
+
+    # ----------------------------------------------------------------- measurements ------------
+    def read_replica_times(self, reset: bool = False) -> timing.ReplicaTimes:
+        """Per-worker compute seconds, samples and updates of the steps finished so far.
+
+        A worker's time runs from its step starting on the worker to its update applied on
+        the parameter servers: input, weight reads, gradient and update. Steps still running
+        when this is called count when they finish.
+
+        Args:
+            reset: if True, the next read covers only later steps.
+        """
+        now = timing.ReplicaTimes(self._seconds.numpy(), self._samples.numpy(),
+                                  self._steps.numpy())
+        out = now - self._times_read
+        if reset:
+            self._times_read = now
+        return out
+
+    def read_staleness(self, reset: bool = False) -> Staleness:
+        """Staleness histogram of each worker's updates finished so far (see `Staleness`).
+
+        Args:
+            reset: if True, the next read covers only later updates.
+        """
+        now = Staleness(self._stale.numpy())
+        out = now - self._staleness_read
+        if reset:
+            self._staleness_read = now
+        return out
+
+    def _cumulative_staleness(self) -> Staleness:
+        return Staleness(self._stale.numpy())
+
+    def restart_step_clock(self) -> None:
+        """Nothing to do: asynchronous steps are timed one by one on their worker."""
+
+    @property
+    def is_chief(self) -> bool:
+        """True: this process is the coordinator, which writes logs and checkpoints."""
+        return True
+
+    def part_capacities(self) -> np.ndarray:
+        """Nominal peak FLOP/s of each worker's CPU, read on the worker itself.
+
+        Each worker's /proc/cpuinfo and its process's cgroup CPU quota are read by file-read
+        ops placed on that worker (so a capped worker reports its cap), then evaluated with
+        `tf_hetbatch.devices.cpu_capability`.
+        """
+        peaks = []
+        for k in range(self._num_workers):
+            device = f"/job:worker/replica:0/task:{k}/device:CPU:0"
+            peaks.append(_devices.cpu_capability(
+                read_file=lambda path, device=device: _read_remote_text(device, path)
+            ).peak_flops)
+        return np.asarray(peaks, np.float64)
+
+    @property
+    def updates(self) -> int:
+        """Updates applied by all workers so far (an exact count, kept on the parameter
+        servers; Keras's `optimizer.iterations` can miss concurrent increments)."""
+        return int(self._updates.numpy())
+
+    # ----------------------------------------------------------------- in the train step -------
+    def _read_updates(self):
+        """The global update count now (in-graph)."""
+        return tf.identity(self._updates.read_value())
+
+    def _record_step(self, worker, samples, seconds, staleness):
+        """Counts one applied update of `worker` with its measurements (in-graph, on the
+        parameter servers; each accumulation is one atomic op)."""
+        one_hot = tf.one_hot(worker, self._num_workers, dtype=tf.float64)
+        stale_bin = tf.minimum(tf.cast(staleness, tf.int32), self._staleness_bins - 1)
+        return tf.group(
+            self._updates.assign_add(tf.constant(1, tf.int64)),
+            self._seconds.assign_add(one_hot * tf.cast(seconds, tf.float64)),
+            self._samples.assign_add(one_hot * tf.cast(samples, tf.float64)),
+            self._steps.assign_add(one_hot),
+            self._stale.scatter_nd_add([[worker, tf.maximum(stale_bin, 0)]],
+                                       tf.ones([1], tf.int64)),
+        )
+
+
+def _read_remote_text(device: str, path: str) -> Optional[str]:
+    """The text of `path` read on `device` (a worker), or None if it cannot be read there."""
+    try:
+        with tf.device(device):
+            return tf.io.read_file(path).numpy().decode("utf-8", "replace")
+    except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError,
+            tf.errors.PermissionDeniedError, tf.errors.FailedPreconditionError):
+        return None
