@@ -1,5 +1,7 @@
 """Shared model and data builders for the strategy tests (real Keras, real strategies)."""
 
+import os
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -128,3 +130,18 @@ def stock_mirrored(devices):
     _compat.assign_collective_key_base(strategy)
     strategy.__init__(devices)
     return strategy
+
+
+def our_children():
+    """Live (non-zombie) processes whose parent is this test process (launcher tests)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                kids.append(int(entry))
+    return kids

@@ -41,6 +41,9 @@ def test_workers_train_with_their_own_batch_sizes(tmp_path):
     np.testing.assert_array_equal(samples, np.array([24, 8]) * updates)
     assert updates.sum() == data["update_count"] == 80
     assert np.all(updates > 0)
+    # Metrics on the parameter servers count every sample of every concurrent update.
+    for counted, trained in data["metric_vs_trained_samples"]:
+        assert counted == trained > 0
     # Staleness: one histogram entry per update, per worker.
     np.testing.assert_array_equal(np.array(data["staleness_histogram"]).sum(axis=1), updates)
     history = data["history"]

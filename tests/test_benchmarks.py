@@ -119,3 +119,36 @@ def test_bench_accuracy_tiny_mode(tmp_path):
         assert all(0.0 <= a <= 1.0 for a in run["test_accuracy"])
     # time to target may be None (not reached in 2 tiny epochs): None is allowed, NaN is not.
     assert not all_finite(data)
+
+
+def test_bench_async_tiny_mode(tmp_path):
+    """ASP even / ASP DynamicBatching / BSP tiny runs: JSON, per-worker updates, staleness."""
+    helped = _run("bench_async.py", "--help")
+    assert helped.returncode == 0, helped.stderr
+    for flag in ("--steps", "--out", "--seed", "--repeats", "--caps", "--target"):
+        assert flag in helped.stdout
+    out = tmp_path / "async.json"
+    proc = _run("bench_async.py", "--steps", "4", "--seed", "3", "--out", str(out))
+    data = _check(proc, out, ["runs", "rounds", "ratios", "target", "epochs", "steps_per_epoch",
+                              "caps", "cap_method", "date"], "| run | train s / epoch")
+    assert "Staleness of the ASP updates" in proc.stdout
+    assert [r["name"] for r in data["runs"]] == ["asp_even", "asp_dynamic", "bsp_dynamic"]
+    updates = data["epochs"] * data["steps_per_epoch"]
+    for run in data["runs"]:
+        assert len(run["test_accuracy"]) == data["epochs"] == len(run["train_seconds"])
+        assert all(0.0 <= a <= 1.0 for a in run["test_accuracy"])
+        assert all(t > 0 for t in run["train_seconds"])
+        assert len(run["final_sizes"]) == 2
+        if run["mode"] != "asp":
+            continue
+        assert run["update_count"] == updates
+        assert sum(run["updates_per_worker"]) == updates
+        assert run["counted_updates_per_worker"] == run["updates_per_worker"]
+        assert sum(run["final_sizes"]) == 2 * data["batch"] and min(run["final_sizes"]) >= 1
+        histogram = run["staleness"]["histogram"]
+        assert len(histogram) == 2
+        assert [sum(row) for row in histogram] == run["updates_per_worker"]
+        assert sum(run["staleness"]["overall"]) == updates
+        assert len(run["staleness"]["mean"]) == 2 and len(run["staleness"]["max"]) == 2
+    assert data["ratios"]["asp_dynamic_vs_even_epoch"]["n"] == 1
+    assert data["rounds"][0]["asp_dynamic_vs_even_epoch"] > 0

@@ -16,6 +16,7 @@ from tf_hetbatch.launch import CapChange, launch
 from tf_hetbatch.launch import __main__ as cli
 from tf_hetbatch.launch.cpu_caps import make_caps
 from tf_hetbatch.launch.schedule import available_cpus
+from helpers import our_children
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,21 +48,6 @@ def run(script, n, **kw):
     result = launch(script if isinstance(script, list) else [script], n, stdout=out,
                     stderr=err, **kw)
     return result, out.getvalue(), err.getvalue(), time.monotonic() - t0
-
-
-def our_children():
-    """Live (non-zombie) processes whose parent is this test process."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            fields = stat[stat.rfind(")") + 2:].split()
-            if int(fields[1]) == os.getpid() and fields[0] != "Z":
-                kids.append(int(entry))
-    return kids
 
 
 def alive(pid: int) -> bool:

@@ -25,6 +25,7 @@ from tf_hetbatch.launch import Preemption, launch
 from tf_hetbatch.launch import __main__ as cli
 from tf_hetbatch.launch.cluster import live_groups
 from tf_hetbatch.launch.cpu_caps import make_caps
+from helpers import our_children
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
@@ -145,16 +146,7 @@ def assert_all_gone(recs):
     """Every process group the launch started is gone, and no child of ours is left."""
     pids = all_pids(recs)
     assert pids and live_groups(pids) == set(), pids
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            fields = stat[stat.rfind(")") + 2:].split()
-            if int(fields[1]) == os.getpid() and fields[0] != "Z":
-                kids.append(int(entry))
+    kids = our_children()
     assert kids == []
     assert glob.glob(f"/sys/fs/cgroup/*/tf_hetbatch-{os.getpid()}-*") == []
 

@@ -41,6 +41,7 @@ _CONTROLLERS = {
 }
 _STATE_FORMAT = "tf_hetbatch.DynamicBatching/1"
 _MAX_WINDOWS_KEPT = 10_000
+_ASYNC_WARM_UPDATES = 2
 
 Bounds = Union[int, Sequence[int], None]
 
@@ -80,6 +81,7 @@ class DynamicBatching(keras.callbacks.Callback):
         min_sizes: smallest batch per replica, int or one int per replica. Default 1.
         max_sizes: largest batch per replica, int, one int per replica, or None (B).
         warmup_steps: steps at the start of every `fit` left unmeasured (tracing). Default 5.
+            Asynchronous training also waits until every worker finished 2 updates.
         interval: steps per measurement window (>= 1). Default 10.
         probe_steps: steps measured by `initial="probe"` (>= 1). Default 10.
         log_dir: when set, the chief writes the balance dashboards there (`BalanceWriter`:
@@ -161,6 +163,7 @@ class DynamicBatching(keras.callbacks.Callback):
         self._window_wall = 0.0
         self._batch_start = 0.0
         self._measuring = False
+        self._warm_base = None
         self._first_after_change = False
 
     # ------------------------------------------------------------------ public state ------
@@ -281,6 +284,9 @@ class DynamicBatching(keras.callbacks.Callback):
         self._window_steps = 0
         self._window_wall = 0.0
         self._measuring = False
+        # Asynchronous training: a worker's first updates of a fit include its tracing and
+        # input start-up; measuring starts once every worker finished two (`_workers_warm`).
+        self._warm_base = strategy.read_totals() if hasattr(strategy, "read_totals") else None
         self._first_after_change = False
         self.windows = []
         if strategy.is_chief and self.log_dir is not None:
@@ -291,7 +297,7 @@ class DynamicBatching(keras.callbacks.Callback):
             self._resume(strategy)
         else:
             self._start(strategy)
-        if self.warmup_steps == 0:
+        if self.warmup_steps == 0 and self._warm_base is None:
             self._start_window()
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -306,7 +312,7 @@ class DynamicBatching(keras.callbacks.Callback):
         self._fit_step += 1
         self._global_step += 1
         if not self._measuring:
-            if self._fit_step >= self.warmup_steps:
+            if self._fit_step >= self.warmup_steps and self._workers_warm():
                 self._start_window()
             return
         self._window_steps += 1
@@ -408,6 +414,12 @@ class DynamicBatching(keras.callbacks.Callback):
         logger.debug("Resumed with batch sizes %s", list(sizes))
 
     # ------------------------------------------------------------------ windows -----------
+    def _workers_warm(self) -> bool:
+        if self._warm_base is None:
+            return True
+        done = self._strategy.read_totals().steps - self._warm_base.steps
+        return bool(np.min(done) >= _ASYNC_WARM_UPDATES)
+
     def _start_window(self):
         # Drops what the warm-up steps accumulated (a collective: same step on every worker).
         self._strategy.read_replica_times(reset=True)

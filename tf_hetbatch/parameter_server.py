@@ -204,12 +204,17 @@ class HeteroParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         Args:
             reset: if True, the next read covers only later steps.
         """
-        now = timing.ReplicaTimes(self._seconds.numpy(), self._samples.numpy(),
-                                  self._steps.numpy())
+        now = self.read_totals()
         out = now - self._times_read
         if reset:
             self._times_read = now
         return out
+
+    def read_totals(self) -> timing.ReplicaTimes:
+        """Per-worker compute seconds, samples and updates since the strategy was created
+        (unaffected by `reset` reads)."""
+        return timing.ReplicaTimes(self._seconds.numpy(), self._samples.numpy(),
+                                   self._steps.numpy())
 
     def read_staleness(self, reset: bool = False) -> Staleness:
         """Staleness histogram of each worker's updates finished so far (see `Staleness`).

@@ -198,3 +198,51 @@ def all_finite(obj, path="$"):
     elif isinstance(obj, float) and not np.isfinite(obj):
         bad.append(path)
     return bad
+
+
+# ------------------------------------------------------------------ time models ---------
+def fit_time_models(phases, k):
+    """Least-squares t = alpha + beta * b per replica over static phases' busy times."""
+    rows = [(p["busy"]["samples_per_step"], p["busy"]["time_per_step"]) for p in phases
+            if p["kind"] == "static" and p.get("busy")]
+    alpha, beta = np.zeros(k), np.zeros(k)
+    for j in range(k):
+        b = np.array([r[0][j] for r in rows], float)
+        t = np.array([r[1][j] for r in rows], float)
+        ok = np.isfinite(b) & np.isfinite(t)
+        if ok.sum() >= 2 and np.ptp(b[ok]) > 0:
+            beta[j], alpha[j] = np.polyfit(b[ok], t[ok], 1)
+        elif ok.any():
+            alpha[j], beta[j] = 0.0, float(np.mean(t[ok] / np.maximum(b[ok], 1)))
+    beta = np.maximum(beta, 1e-9)
+    return alpha, beta, len(rows)
+
+
+def equal_finish(alpha, beta, total):
+    """Real-valued split with equal alpha_k + beta_k b_k (replicas that would go < 0 get 0)."""
+    active = np.ones(len(alpha), bool)
+    while True:
+        inv = 1.0 / beta[active]
+        t = (total + np.sum(alpha[active] * inv)) / np.sum(inv)
+        b = np.where(active, (t - alpha) / beta, 0.0)
+        if np.all(b >= -1e-9):
+            return t, b
+        active &= b > 0
+
+
+def ideal_step(phases, k, batch):
+    """The ideal step of a run: the equal-finish split under per-replica time models fitted to
+    its static phases, plus the median remainder (step - slowest busy time: all-reduce etc.).
+
+    Returns:
+        dict with alpha_ms, beta_ms_per_sample, points, remainder_ms, ideal_split,
+        ideal_busy_ms, ideal_ms.
+    """
+    alpha, beta, n_points = fit_time_models(phases, k)
+    remainders = [p["step_ms_median"] / 1e3 - max(p["busy"]["time_per_step"]) for p in phases
+                  if p["kind"] == "static" and p.get("busy")]
+    remainder = float(np.median(remainders)) if remainders else 0.0
+    t_eq, b_eq = equal_finish(alpha, beta, batch)
+    return {"alpha_ms": (alpha * 1e3).tolist(), "beta_ms_per_sample": (beta * 1e3).tolist(),
+            "points": n_points, "remainder_ms": remainder * 1e3, "ideal_split": b_eq.tolist(),
+            "ideal_busy_ms": t_eq * 1e3, "ideal_ms": (t_eq + remainder) * 1e3}

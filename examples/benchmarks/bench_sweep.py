@@ -4,10 +4,13 @@
 constant total capacity (`--total-cap` CPUs over `--workers` workers, caps ~ [1, (1+H)/2, H]),
 one cluster run per H, `--repeats` interleaved rounds of three one-epoch phases:
 `even` (stock), `static` (cap-proportional: what a FLOPs split gives when capacity is known)
-and `dynamic` (`DynamicBatching(initial="uniform")`, from the even split). Each phase is
+and `dynamic` (`DynamicBatching(initial=--dynamic-initial)`, default "flops": the library's
+default, which reads each worker's CPU cap; "uniform" starts from the even split). Each phase is
 preceded by SWITCH_MARGIN+1 unmeasured steps on its starting split. Reported: the steady step
 time (median of the phase's second half) and the time per epoch (the phase's wall time,
 convergence included), normalised to the even run at the first H (H=1 by default), and speed-ups vs even in the same run.
+The ideal step at each H: the equal-finish split under per-worker time models alpha + beta b
+fitted to that run's even and static phases, plus the measured remainder (all-reduce etc.).
 `--model linear` gives the communication-bound case (expect small gains).
 
 `--scenario interference`: equal caps; worker 0 is slowed 3x by the launcher's schedule
@@ -59,7 +62,8 @@ def sweep_plan(args, caps, tiny):
             phases.append({"name": f"prep {policy} r{r}", "kind": "static", "sizes": start,
                            "steps": PREP, "skip": 0})
             if policy == "dynamic":
-                phases.append({"name": f"dynamic r{r}", "kind": "dynamic", "initial": "uniform",
+                phases.append({"name": f"dynamic r{r}", "kind": "dynamic",
+                               "initial": args.dynamic_initial,
                                "steps": dyn_epoch})
             else:
                 phases.append({"name": f"{policy} r{r}", "kind": "static", "sizes": start,
@@ -116,6 +120,14 @@ def run_heterogeneity(args, tiny, workdir):
             }
         run["summary"] = summary
         run["naive_ceiling"] = float(sum(run["caps"]) / (len(run["caps"]) * min(run["caps"])))
+        measured = [p for p in run["phases"] if p["kind"] != "warmup"
+                    and not p["name"].startswith("prep")]
+        run["ideal"] = bc.ideal_step(measured, len(run["caps"]), args.batch)
+        ideal = run["ideal"]["ideal_ms"]
+        summary["dynamic"]["over_ideal"] = bc.stats([r["dynamic_step_ms"] / ideal
+                                                     for r in run["rounds"]])
+        summary["static"]["over_ideal"] = bc.stats([r["static_step_ms"] / ideal
+                                                    for r in run["rounds"]])
     return {"hs": hs, "runs": runs, "base_step_ms": float(base_step),
             "base_epoch_s": float(base_epoch)}
 
@@ -141,10 +153,16 @@ def heterogeneity_lines(res, args, when):
                      bc.fmt_stats(s["static"]["speedup_epoch"], digits=2),
                      bc.fmt_stats(s["dynamic"]["speedup_epoch"], digits=2),
                      f"{run['naive_ceiling']:.2f}",
+                     bc.fmt_stats(s["static"]["over_ideal"], digits=3),
+                     bc.fmt_stats(s["dynamic"]["over_ideal"], digits=3),
                      str(run["rounds"][-1]["dynamic_sizes"])])
     lines += bc.table(["H", "caps", "step even", "step static", "step dyn", "epoch even",
                        "epoch static", "epoch dyn", "epoch speed-up static",
-                       "epoch speed-up dyn", "naive ceiling", "dyn split (last round)"], rows)
+                       "epoch speed-up dyn", "naive ceiling", "step static/ideal",
+                       "step dyn/ideal", "dyn split (last round)"], rows)
+    worst = max(run["summary"]["dynamic"]["over_ideal"]["median"] for run in res["runs"])
+    lines += ["", f"Target: dynamic step within 10% of the ideal at every H: worst median "
+                  f"dynamic/ideal {worst:.3f} ({'met' if worst <= 1.10 else 'MISSED'})."]
     return lines
 
 
@@ -163,7 +181,8 @@ def run_interference(args, tiny, workdir):
                                "sizes": proportional(args.batch, caps), "steps": steps,
                                "skip": 0})
             else:
-                phases.append({"name": "dynamic", "kind": "dynamic", "initial": "uniform",
+                phases.append({"name": "dynamic", "kind": "dynamic",
+                               "initial": args.dynamic_initial,
                                "steps": steps})
             plan = {"task": "phases", "model": args.model, "filters": args.filters,
                     "batch": args.batch, "train_samples": 1280 if tiny else args.train_samples,
@@ -285,6 +304,9 @@ def main(argv=None):
     parser.add_argument("--filters", type=int, default=None,
                         help="conv filters of --model cnn (default 16; tiny mode 4)")
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--dynamic-initial", default="flops",
+                        choices=["flops", "uniform", "probe"],
+                        help="DynamicBatching(initial=...) of the dynamic runs (default flops)")
     parser.add_argument("--hs", default=None, help="heterogeneities (default 1,2,3,4,5,6)")
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--total-cap", type=float, default=1.5,

@@ -76,9 +76,12 @@ def main(argv=None):
     with strategy.scope():
         model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
                                   keras.layers.Dense(3)])
+        # Both ways of naming a metric: an object (made under the scope) or a name.
+        metric = (keras.metrics.SparseCategoricalAccuracy(name="accuracy") if args.dynamic
+                  else "accuracy")
     trainer = hb.AsyncTrainer(
         model, keras.optimizers.SGD(args.lr),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=[metric],
         checkpoint_dir=args.checkpoint_dir, checkpoint_interval=args.checkpoint_interval)
     x, y = make_data(4096)
     xv, yv = make_data(1024, seed=1)
@@ -87,7 +90,19 @@ def main(argv=None):
         ds = tf.data.Dataset.from_tensor_slices((x, y))
         return ds.shuffle(4096, seed=context.input_pipeline_id).repeat()
 
-    callbacks = []
+    class Counts(keras.callbacks.Callback):
+        """Samples the loss metric counted vs samples trained, per epoch."""
+
+        def on_train_begin(self, logs=None):
+            self.seen, self.rows = float(strategy.read_totals().samples.sum()), []
+
+        def on_epoch_end(self, epoch, logs=None):
+            total = float(strategy.read_totals().samples.sum())
+            self.rows.append([float(trainer.loss_tracker.count.numpy()), total - self.seen])
+            self.seen = total
+
+    counts = Counts()
+    callbacks = [counts]
     if args.dynamic:
         callbacks.append(hb.DynamicBatching(log_dir=args.log_dir, interval=10, warmup_steps=4))
     if args.kill_after_epoch and os.environ.get("TF_HETBATCH_RESTART", "0") == "0":
@@ -117,11 +132,12 @@ def main(argv=None):
         "batch_sizes": list(strategy.batch_sizes),
         "iterations": int(trainer.optimizer.iterations.numpy()),
         "update_count": strategy.updates,
+        "metric_vs_trained_samples": counts.rows,
         "evaluate": trainer.evaluate(tf.data.Dataset.from_tensor_slices((xv, yv)).batch(256),
                                      return_dict=True, verbose=0),
     }
     if args.dynamic:
-        result["adjustments"] = callbacks[0].history
+        result["adjustments"] = callbacks[1].history
     with open(args.out, "w") as f:
         json.dump(result, f)
     print("done", json.dumps(result["history"]), flush=True)
