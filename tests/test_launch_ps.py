@@ -235,8 +235,9 @@ def test_a_ps_that_dies_is_fatal(tmp_path, how, code, described):
 def test_lost_workers_are_not_fatal_with_parameter_servers(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="tf_hetbatch.launch")
     # Worker 0 exits with code 7 by itself, worker 1 is preempted (SIGKILL) and stays down;
-    # the chief lingers 2 s after everyone was up and then succeeds.
-    result, out, _, _, recs = ps_run(tmp_path, 3, linger=2.0, preempt="0.5:1",
+    # the chief lingers 3 s after everyone was up and then succeeds. (1.5 s: after every
+    # task started, also on a loaded machine.)
+    result, out, _, _, recs = ps_run(tmp_path, 3, linger=3.0, preempt="1.5:1",
                                      server_opts=["--die", "worker:0:0.2:7"])
     assert result.ok, result.message
     assert "tolerated 2 worker exits" in result.message
@@ -260,12 +261,12 @@ def test_lost_workers_are_not_fatal_with_parameter_servers(tmp_path, caplog):
 def test_preempted_worker_comes_back_with_its_tf_config_address_and_cap(tmp_path, method):
     if method == "cgroup" and not cgroups_writable():
         pytest.skip("cgroup cpu hierarchy not writable here (needs root or delegation)")
-    # Worker 0 (cap 0.2 CPUs) busy-loops 2 s and reports its CPU use; it is preempted at
-    # 0.3 s, before it can report, and started again 0.3 s later. The chief ends once the
-    # second process of worker 0 has reported.
+    # Worker 0 (cap 0.2 CPUs) busy-loops 3 s and reports its CPU use; it is preempted at
+    # 1.2 s (after it started, even on a loaded machine; before it can report), and started
+    # again 0.3 s later. The chief ends once the second process of worker 0 has reported.
     result, out, _, _, recs = ps_run(
-        tmp_path, 2, pattern="worker0-*.rate", count=1, preempt="0.3:0+0.3",
-        server_opts=["--busy", "worker:0:2"], cpus=[0.2, None], cap_method=method)
+        tmp_path, 2, pattern="worker0-*.rate", count=1, preempt="1.2:0+0.3",
+        server_opts=["--busy", "worker:0:3"], cpus=[0.2, None], cap_method=method)
     assert result.ok and result.cap_method.startswith(method), result.message
     first, second = recs["worker0"]
     assert first["pid"] != second["pid"]
@@ -289,7 +290,7 @@ import json, os, sys, time
 attempt = os.environ["TF_HETBATCH_RESTART"]
 i = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 open(os.path.join(sys.argv[1], f"a{attempt}w{i}-{os.getpid()}"), "w").close()
-time.sleep(60 if attempt == "0" else 1.0)
+time.sleep(60 if attempt == "0" else 2.0)
 """
 
 
@@ -297,16 +298,16 @@ time.sleep(60 if attempt == "0" else 1.0)
 def test_preemption_without_ps_ends_the_attempt_and_max_restarts_restarts(tmp_path):
     script = write_script(tmp_path, WORKER_SLEEPS, "worker.py")
     out = io.StringIO()
-    # Attempt 0 is preempted at 0.5 s; the event happens once, so attempt 1 (which runs
-    # past 0.5 s of its own) finishes.
-    result = launch([script, str(tmp_path)], 2, preempt="0.5:1", max_restarts=1, grace=1.0,
+    # Attempt 0 is preempted at 1.5 s (after its workers started, also on a loaded
+    # machine); the event happens once, so attempt 1 (which runs past 1.5 s) finishes.
+    result = launch([script, str(tmp_path)], 2, preempt="1.5:1", max_restarts=1, grace=1.0,
                     stdout=out, stderr=out)
     assert result.ok and result.attempts == 2, result.message
     assert [e.split(": ", 1)[1].split(" (")[0] for e in result.events] == ["preempted worker 1"]
     pids = [int(p.rsplit("-", 1)[1]) for p in glob.glob(str(tmp_path / "a*w*-*"))]
     assert len(pids) == 4 and live_groups(pids) == set()
 
-    result = launch([script, str(tmp_path)], 2, preempt=[Preemption(0.5, 1)], grace=1.0,
+    result = launch([script, str(tmp_path)], 2, preempt=[Preemption(1.5, 1)], grace=1.0,
                     stdout=out, stderr=out)
     assert result.returncode == 128 + signal.SIGKILL and result.failed_worker == 1
     assert result.failed_task.role == "worker" and result.workers[1].preempted
