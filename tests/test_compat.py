@@ -135,3 +135,31 @@ def test_keras_variable_assign_add_is_read_modify_write_upstream():
 
     source = inspect.getsource(keras.Variable.assign_add)
     assert "self.assign(self + value)" in source, source
+
+
+def test_keras_distributes_data_from_fit_evaluate_and_predict_iterators(cpus):
+    """`_compat.keras_loop_distributing_data`: Keras 3 distributes every dataset from a
+    `TFEpochIterator` built in fit (training first, then validation inside the epoch loop),
+    evaluate or predict. Evaluation data of any batch size relies on telling them apart."""
+    seen = []
+
+    class Recording(tf.distribute.MirroredStrategy):
+        def __init__(self, devices):
+            _compat.assign_collective_key_base(self)
+            super().__init__(devices)
+
+        def experimental_distribute_dataset(self, dataset, options=None):
+            seen.append(_compat.keras_loop_distributing_data())
+            return super().experimental_distribute_dataset(dataset, options)
+
+    strategy = Recording(cpus[:2])
+    model = build_under(strategy, dense_model)
+    x, y = regression_data(n=64)
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0,
+              validation_data=(x, y), validation_batch_size=16)
+    model.evaluate(x, y, batch_size=8, verbose=0)
+    model.predict(x, batch_size=16, verbose=0)
+    strategy.experimental_distribute_dataset(tf.data.Dataset.range(4).batch(2))  # custom loop
+    # The validation iterator is built once per fit and cached by Keras.
+    assert seen == ["train", "validation", "evaluate", "predict", None]
+    assert set(_compat.EVALUATION_LOOPS) == {"validation", "evaluate", "predict"}

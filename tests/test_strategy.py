@@ -304,3 +304,159 @@ def test_conformance_even_split_matches_stock(cpus):
         assert ours["eval"][key] == pytest.approx(stock["eval"][key], rel=1e-6)
     np.testing.assert_allclose(ours["predict"], stock["predict"], rtol=1e-6)
     np.testing.assert_allclose(ours["batch_losses"], stock["batch_losses"], rtol=1e-6)
+
+
+# ----------------------------------------------------------------- evaluation data -----------
+# Evaluation and prediction data of any batch size is split in proportion to `batch_sizes`;
+# only training data must be batched by sum(batch_sizes).
+
+
+class EvalBatchLogs(keras.callbacks.Callback):
+    """Records the per-batch logs of evaluation (what callbacks and the progress bar see)."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches = []
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.batches.append(dict(logs))
+
+
+def _one_device_copy(model):
+    ref = dense_model()
+    ref.set_weights(model.get_weights())
+    return ref
+
+
+def test_fit_validation_of_another_batch_size_matches_one_device(cpus):
+    x, y = regression_data(n=320)
+    xv, yv = regression_data(n=130, seed=3)  # batches of 50, 50 and 30
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([3, 7, 22])
+    model = build_under(strategy, dense_model)
+    epoch_weights = []
+
+    class Weights(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            epoch_weights.append(self.model.get_weights())
+
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    val = tf.data.Dataset.from_tensor_slices((xv, yv)).batch(50)
+    hist = model.fit(train, validation_data=val, epochs=2, shuffle=False, verbose=0,
+                     callbacks=[Weights()])
+    assert strategy.batch_sizes == (3, 7, 22) and strategy.global_batch_size == 32
+    ref = dense_model()
+    for epoch, weights in enumerate(epoch_weights):
+        ref.set_weights(weights)
+        expected = ref.evaluate(xv, yv, batch_size=50, verbose=0, return_dict=True)
+        for key, value in expected.items():
+            assert hist.history[f"val_{key}"][epoch] == pytest.approx(value, rel=1e-5, abs=1e-5)
+    # The training data's checks are untouched by the validation data seen in between.
+    with pytest.raises(ValueError, match=r"global batch size 32.*sum 31"):
+        strategy.set_batch_sizes([10, 10, 11])
+
+
+@pytest.mark.parametrize("batch", [2, 20, 50, 512], ids=lambda b: f"batch{b}")
+def test_evaluate_any_batch_size_matches_one_device(cpus, batch):
+    # n=131: a partial last batch for 2, 20 and 50; one batch smaller than the data for 512.
+    # Batches of 2 over [3, 7, 22] leave replica 0 empty.
+    x, y = regression_data(n=131, seed=4)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([3, 7, 22])
+    ours = build_under(strategy, dense_model)
+    ref = _one_device_copy(ours)
+    ref_logs, logs = EvalBatchLogs(), EvalBatchLogs()
+    expected = ref.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True,
+                            callbacks=[ref_logs])
+    got = ours.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True, callbacks=[logs])
+    from_dataset = ours.evaluate(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(batch), verbose=0, return_dict=True
+    )
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        assert from_dataset[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    # Per-batch logs are the true global running means too.
+    assert len(logs.batches) == len(ref_logs.batches) == -(-131 // batch)
+    for mine, theirs in zip(logs.batches, ref_logs.batches):
+        for key in theirs:
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
+    assert strategy.batch_sizes == (3, 7, 22)
+
+
+@pytest.mark.parametrize("batch", [2, 50, 1000], ids=lambda b: f"batch{b}")
+def test_predict_any_batch_size_matches_one_device_in_input_order(cpus, batch):
+    x, _ = regression_data(n=131, seed=5)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([3, 7, 22])
+    ours = build_under(strategy, dense_model)
+    ref = _one_device_copy(ours)
+    expected = ref.predict(x, batch_size=batch, verbose=0)
+    got = ours.predict(x, batch_size=batch, verbose=0)
+    assert got.shape == expected.shape == (131, 1)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    from_dataset = ours.predict(tf.data.Dataset.from_tensor_slices(x).batch(batch), verbose=0)
+    np.testing.assert_allclose(from_dataset, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_evaluation_data_splits_in_proportion_to_the_sizes(cpus):
+    sink = Sink()
+
+    class EvalRecorder(keras.layers.Layer):
+        def call(self, inputs, training=None):
+            ctx = tf.distribute.get_replica_context()
+            replica = ctx.replica_id_in_sync_group if ctx is not None else -1  # symbolic build
+
+            def record(rid, n):
+                sink.append((int(rid), int(n)))
+                return np.int32(0)
+
+            token = tf.py_function(record, [replica, tf.shape(inputs)[0]], tf.int32)
+            with tf.control_dependencies([token]):
+                return tf.identity(inputs)
+
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([8, 8, 16])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), EvalRecorder(), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    x, y = regression_data(n=100)
+    model.evaluate(x, y, batch_size=64, verbose=0)  # 64, 36: 2x the sizes, then 36 by 1:1:2
+    per_replica = {}
+    for replica, n in sink.items:
+        per_replica.setdefault(replica, []).append(n)
+    assert per_replica == {0: [16, 9], 1: [16, 9], 2: [32, 18]}
+
+
+def test_fit_with_dynamic_batching_and_validation_of_another_batch_size(cpus):
+    x, y = regression_data(n=320)
+    xv, yv = regression_data(n=100, seed=3)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    model = build_under(strategy, dense_model)
+    callback = hb.DynamicBatching(warmup_steps=1, interval=2)
+    hist = model.fit(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(32),
+        validation_data=tf.data.Dataset.from_tensor_slices((xv, yv)).batch(256),
+        epochs=2, shuffle=False, verbose=0, callbacks=[callback],
+    )
+    assert len(hist.history["val_loss"]) == 2 and np.all(np.isfinite(hist.history["val_loss"]))
+    assert sum(strategy.batch_sizes) == 32 and strategy.global_batch_size == 32
+    assert model.evaluate(xv, yv, batch_size=512, verbose=0) == pytest.approx(
+        _one_device_copy(model).evaluate(xv, yv, batch_size=512, verbose=0), rel=1e-5)
+    assert model.predict(x, batch_size=1000, verbose=0).shape == (320, 1)
+
+
+def test_evaluation_leaves_the_training_bookkeeping_alone(cpus):
+    x, y = regression_data(n=128)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    model = build_under(strategy, dense_model)
+    strategy.resume_at(0, skip_batches=1)  # resuming: the next TRAINING pass skips a batch
+    expected = _one_device_copy(model).evaluate(x, y, batch_size=512, verbose=0)
+    assert model.evaluate(x, y, batch_size=512, verbose=0) == pytest.approx(expected, rel=1e-5)
+    model.predict(x, batch_size=100, verbose=0)
+    # Neither the evaluation batch size nor the skip was taken by evaluation data.
+    assert strategy.batch_sizes is None and strategy.global_batch_size is None
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert strategy.global_batch_size == 32 and strategy.batch_sizes == (11, 11, 10)
+    assert strategy.steps_trained == 3  # 4 batches, the first skipped
+    assert strategy.read_replica_times().samples.sum() == 96
+    strategy.set_batch_sizes([2, 10, 20])  # still checked against the training data's 32

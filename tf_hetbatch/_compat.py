@@ -313,3 +313,66 @@ def remote_value_done(value) -> bool:
 def wait_remote_value(value, timeout: float) -> None:
     """Waits up to `timeout` seconds for `value`'s function to finish."""
     value._status_available_event.wait(timeout)
+
+
+# --- Which Keras loop distributes a dataset: evaluation data may have any batch size -----------
+# A tf_hetbatch strategy needs TRAINING data batched by sum(batch_sizes) (anything else is a
+# user error it reports), but Keras users batch evaluation data freely: `evaluate(batch_size=
+# 512)`, `predict(x, batch_size=1000)`, `fit(validation_data=val.batch(256))`, as the stock
+# strategy allows. Keras 3 gives a strategy no sign of what a dataset is for: `fit`,
+# `evaluate` and `predict` each build a `TFEpochIterator`, whose constructor calls
+# `strategy.experimental_distribute_dataset` (keras/src/backend/tensorflow/trainer.py). So the
+# strategy asks who built that iterator:
+# - `Trainer.evaluate` or `Trainer.predict`: evaluation data;
+# - `Trainer.fit`: its training iterator is built first, before fit's local `epoch_iterator`
+#   exists; the one it builds later, inside the epoch loop, is for `validation_data`.
+# Anything else (a custom loop distributing its own data) is training data, checked as before.
+# The answer depends only on the Keras call, so every worker of a cluster gets the same one.
+# Canary: test_compat.test_keras_distributes_data_from_fit_evaluate_and_predict_iterators.
+_KERAS_TF_TRAINER = ("keras", "src", "backend", "tensorflow", "trainer.py")
+
+
+def _is_keras_tf_trainer_code(code):
+    import os
+
+    parts = os.path.normpath(code.co_filename).split(os.sep)
+    return tuple(parts[-len(_KERAS_TF_TRAINER):]) == _KERAS_TF_TRAINER
+
+
+EVALUATION_LOOPS = ("validation", "evaluate", "predict")
+
+
+def keras_loop_distributing_data(max_depth=8):
+    """Which Keras loop is distributing a dataset: "train", "validation", "evaluate",
+    "predict", or None when it is not Keras's `TFEpochIterator` (e.g. a custom loop).
+
+    Call it from within the strategy's `experimental_distribute_dataset`; `max_depth` bounds
+    the frames searched for the `TFEpochIterator` constructor (strategy subclasses add some).
+    """
+    import sys
+
+    frame = sys._getframe(0)
+    for _ in range(max_depth):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        code = frame.f_code
+        if (
+            code.co_name == "__init__"
+            and getattr(code, "co_qualname", "TFEpochIterator.__init__")
+            == "TFEpochIterator.__init__"
+            and _is_keras_tf_trainer_code(code)
+        ):
+            break
+    else:
+        return None
+    caller = frame.f_back
+    if caller is None or not _is_keras_tf_trainer_code(caller.f_code):
+        return None
+    name = caller.f_code.co_name
+    if name == "fit":
+        # Read only: whether fit has already bound its training iterator.
+        return "validation" if "epoch_iterator" in caller.f_locals else "train"
+    if name in ("evaluate", "predict"):
+        return name
+    return None

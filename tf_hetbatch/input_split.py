@@ -7,12 +7,19 @@ global batch gets its number in production order and the split in force for that
 A split installed now applies to the global batches produced after it, i.e. a few steps later
 (the distributed iterator prefetches), or from an agreed batch number in multi-worker training.
 
-A batch of n samples is split as follows:
+A TRAINING batch of n samples is split as follows:
 - no sizes set (all zeros): evenly, the first n % K replicas getting one sample more;
 - n == sum(sizes): by the sizes;
 - n < sum(sizes): in proportion to the sizes (largest remainder), which is right for the partial
   last batch of an epoch and only for it: a second short batch is an error;
 - n > sum(sizes): an error naming both numbers.
+
+EVALUATION data (Keras `evaluate`, `predict`, `fit`'s validation) may have any batch size, as
+under the stock strategy: every batch of n samples is split in proportion to the sizes
+(largest remainder; exactly the sizes when n == sum(sizes)), or evenly while none are set, with
+no error. Its results are sums over samples, so the split does not change them. Evaluation
+passes leave the training bookkeeping alone: they are not counted as produced batches, do not
+consume the batches to skip on resuming, and do not move the newest training key.
 """
 
 import tensorflow as tf
@@ -67,6 +74,16 @@ def sizes_for_batch(n, allocation, num_replicas):
 
     return tf.cond(
         tf.equal(total, 0), lambda: even_sizes(n, num_replicas), by_allocation
+    )
+
+
+def evaluation_sizes(n, allocation, num_replicas):
+    """The per-replica sizes (int64 [K]) for an evaluation batch of `n` samples: any n."""
+    allocation = tf.cast(allocation, tf.int64)
+    return tf.cond(
+        tf.equal(tf.reduce_sum(allocation), 0),
+        lambda: even_sizes(n, num_replicas),
+        lambda: proportional_sizes(n, allocation),
     )
 
 
@@ -203,8 +220,30 @@ class Allocation:
         initial = (zero, zero, tf.constant(-1, tf.int64), tf.constant(False))
         return dataset.scan(initial, scan_fn)
 
+    def annotate_evaluation(self, dataset):
+        """One pass over evaluation batches: each element becomes (element, sizes).
 
-def split_global_batches(dataset, allocation, num_replicas, replica_range=None):
+        The split is the one in force for the next training batch, looked up with no side
+        effect on the training bookkeeping (no batch counted, nothing skipped, no key
+        recorded). Several workers use the key of the next training step, read at the pass's
+        first batch, for the whole pass: the same on every worker, since every worker
+        evaluates between the same two training steps.
+        """
+
+        def scan_fn(base, element):
+            if self.keyed_by_step:
+                base = tf.where(base < 0, self.trained.read_value(), base)
+                key = base
+            else:
+                key = self.produced.read_value()
+            return base, (element, self.sizes_for_key(key))
+
+        return dataset.scan(tf.constant(-1, tf.int64), scan_fn)
+
+
+def split_global_batches(
+    dataset, allocation, num_replicas, replica_range=None, evaluation=False
+):
     """Turns a dataset of global batches into one of per-replica batches, K per global batch.
 
     Args:
@@ -213,18 +252,19 @@ def split_global_batches(dataset, allocation, num_replicas, replica_range=None):
         num_replicas: K, the number of replicas in sync (over all workers).
         replica_range: optional (first, count): emit only the slices of replicas
             first .. first + count - 1 (one worker's replicas in multi-worker training).
+        evaluation: True for evaluation/prediction data: batches of any size, each split in
+            proportion to the sizes (see the module docs). Default False: training data.
 
     Returns:
         A `tf.data.Dataset` whose consecutive groups of `count` elements are the slices of one
         global batch in replica order.
     """
     first, count = replica_range if replica_range is not None else (0, num_replicas)
-    annotated = allocation.annotate(dataset).filter(lambda keep, element, sizes: keep)
+    split_sizes = evaluation_sizes if evaluation else sizes_for_batch
 
-    def to_slices(keep, element, allocated):
-        del keep
+    def to_slices(element, allocated):
         n = batch_dim(element)
-        sizes = sizes_for_batch(n, allocated, num_replicas)
+        sizes = split_sizes(n, allocated, num_replicas)
         offsets = tf.cumsum(sizes, exclusive=True)
         picks = tf.data.Dataset.from_tensor_slices(
             (offsets[first : first + count], sizes[first : first + count])
@@ -235,4 +275,7 @@ def split_global_batches(dataset, allocation, num_replicas, replica_range=None):
 
         return picks.map(take)
 
-    return annotated.flat_map(to_slices)
+    if evaluation:
+        return allocation.annotate_evaluation(dataset).flat_map(to_slices)
+    annotated = allocation.annotate(dataset).filter(lambda keep, element, sizes: keep)
+    return annotated.flat_map(lambda keep, element, sizes: to_slices(element, sizes))

@@ -43,7 +43,8 @@ class HeteroMixin:
 
         Until `set_batch_sizes` is called, the even split of the data's global batch size
         (the first `B % K` replicas get one sample more), or None while that size is unknown.
-        A partial last batch is split in proportion to these sizes.
+        A partial last batch is split in proportion to these sizes, and so is every batch of
+        evaluation data (Keras `evaluate`, `predict`, `fit`'s validation), whatever its size.
         """
         if self._batch_sizes is not None:
             return self._batch_sizes
@@ -156,6 +157,15 @@ class HeteroMixin:
     def experimental_distribute_dataset(self, dataset, options=None):
         """Distributes a dataset of GLOBAL batches, splitting each by `batch_sizes`.
 
+        Training data must be batched by sum(batch_sizes) (a partial last batch is split in
+        proportion). Evaluation data, i.e. data Keras distributes for `evaluate`, `predict` or
+        `fit`'s `validation_data`, may be batched by any size, as under the stock strategy:
+        each batch of n samples is split in proportion to `batch_sizes` (largest remainder;
+        evenly while none are set). Evaluation results are sums over samples, so they do not
+        depend on the split. Which one a dataset is comes from the Keras call that distributes
+        it (`_compat.keras_loop_distributing_data`), the same on every worker; data a custom
+        loop distributes is training data.
+
         Args:
             dataset: a `tf.data.Dataset` batched by the global batch size.
             options: `tf.distribute.InputOptions`, as for the stock strategy.
@@ -164,11 +174,12 @@ class HeteroMixin:
             A distributed dataset; replica k receives slice k of each global batch.
 
         Raises:
-            ValueError: already distributed data, unbatched data, or a batch size that does not
-                match the batch sizes set.
+            ValueError: already distributed data, unbatched data, or training data whose batch
+                size does not match the batch sizes set.
             TypeError: anything but a `tf.data.Dataset`.
         """
-        self._check_dataset(dataset)
+        evaluation = _compat.keras_loop_distributing_data() in _compat.EVALUATION_LOOPS
+        self._check_dataset(dataset, evaluation)
         mode = getattr(options, "experimental_replication_mode", None)
         if mode == tf.distribute.InputReplicationMode.PER_REPLICA:
             raise ValueError(
@@ -183,12 +194,12 @@ class HeteroMixin:
         def dataset_fn(input_context):
             del input_context  # every worker reads every global batch; see _replica_range
             return input_split.split_global_batches(
-                dataset, self._allocation, num_replicas, replica_range
+                dataset, self._allocation, num_replicas, replica_range, evaluation=evaluation
             )
 
         return self.distribute_datasets_from_function(dataset_fn, options)
 
-    def _check_dataset(self, dataset):
+    def _check_dataset(self, dataset, evaluation=False):
         if isinstance(dataset, tf.distribute.DistributedDataset):
             raise ValueError(
                 "`dataset` is already distributed. A tf_hetbatch strategy splits global batches "
@@ -219,7 +230,7 @@ class HeteroMixin:
                 f"cannot be a batch dimension. Received: element_spec={dataset.element_spec}. "
                 "Fix: dataset.batch(global_batch_size)."
             )
-        if batch is not None:
+        if batch is not None and not evaluation:  # evaluation batches may have any size
             if self._batch_sizes is not None and sum(self._batch_sizes) != batch:
                 raise ValueError(
                     f"`batch_sizes` must sum to the dataset's global batch size {batch}. "
@@ -406,6 +417,8 @@ class HeteroMirroredStrategy(HeteroMixin, tf.distribute.MirroredStrategy):
     replica's gradient is weighted by b_k / B, so every update equals the one a single device
     makes on the whole global batch: with SyncBatchNormalization, regularisers, any Keras
     optimizer and LossScaleOptimizer. Per-batch logs and History hold true global means.
+    Evaluation data (`evaluate`, `predict`, `fit`'s `validation_data`) may be batched by any
+    size, as with the stock strategy; each of its batches is split in proportion to the sizes.
 
     What changes relative to the stock strategy, and only under this strategy:
     - the optimizer instance of a model trained under it gets instance-level `scale_loss` and
