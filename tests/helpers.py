@@ -145,3 +145,14 @@ def our_children():
             if int(fields[1]) == os.getpid() and fields[0] != "Z":
                 kids.append(int(entry))
     return kids
+
+
+def cgroups_writable() -> bool:
+    """Whether this machine lets the launcher create CPU-capping cgroups (launcher tests)."""
+    from tf_hetbatch.launch.cpu_caps import make_caps
+
+    try:
+        make_caps("cgroup", 1).close()
+        return True
+    except RuntimeError:
+        return False

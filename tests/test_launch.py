@@ -14,9 +14,8 @@ import pytest
 
 from tf_hetbatch.launch import CapChange, launch
 from tf_hetbatch.launch import __main__ as cli
-from tf_hetbatch.launch.cpu_caps import make_caps
 from tf_hetbatch.launch.schedule import available_cpus
-from helpers import our_children
+from helpers import cgroups_writable, our_children
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,14 +60,6 @@ def alive(pid: int) -> bool:
 def our_cgroups():
     return glob.glob(f"/sys/fs/cgroup/*/tf_hetbatch-{os.getpid()}-*") + glob.glob(
         f"/sys/fs/cgroup/*/*/tf_hetbatch-{os.getpid()}-*")
-
-
-def cgroups_writable() -> bool:
-    try:
-        make_caps("cgroup", 1).close()
-        return True
-    except RuntimeError:
-        return False
 
 
 def cpu_use(output: str, worker: int) -> float:

@@ -24,8 +24,7 @@ import pytest
 from tf_hetbatch.launch import Preemption, launch
 from tf_hetbatch.launch import __main__ as cli
 from tf_hetbatch.launch.cluster import live_groups
-from tf_hetbatch.launch.cpu_caps import make_caps
-from helpers import our_children
+from helpers import cgroups_writable, our_children
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
@@ -149,14 +148,6 @@ def assert_all_gone(recs):
     kids = our_children()
     assert kids == []
     assert glob.glob(f"/sys/fs/cgroup/*/tf_hetbatch-{os.getpid()}-*") == []
-
-
-def cgroups_writable() -> bool:
-    try:
-        make_caps("cgroup", 1).close()
-        return True
-    except RuntimeError:
-        return False
 
 
 @pytest.mark.timeout(60)

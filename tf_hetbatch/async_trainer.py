@@ -170,6 +170,13 @@ class AsyncTrainer:
         if not callable(dataset_fn):
             raise ValueError("`dataset_fn` must be a function input_context -> tf.data.Dataset "
                              f"of examples. Received: dataset_fn={dataset_fn!r}")
+        if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
+            raise ValueError("`validation_data` must be a tf.data.Dataset of batches (checked "
+                             "now, before an epoch of training is spent). Received: "
+                             f"{type(validation_data).__name__}. Fix: tf.data.Dataset."
+                             "from_tensor_slices((x, y)).batch(256).")
+        if validation_steps is not None:
+            _check_int("validation_steps", validation_steps, 1)
         verbose = 1 if verbose == "auto" else verbose
         self.strategy._set_total(batch_size * self.strategy.num_workers)
         iterator = self._per_worker_iterator(dataset_fn)

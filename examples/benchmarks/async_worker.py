@@ -20,7 +20,6 @@ chief prints progress lines starting with `#` and writes the result JSON.
     python examples/benchmarks/async_worker.py --plan plan.json --result result.json
 """
 
-import argparse
 import json
 import os
 import sys
@@ -37,6 +36,7 @@ import tensorflow as tf  # noqa: E402
 
 import fashion_mnist  # noqa: E402
 import tf_hetbatch as hb  # noqa: E402
+from hetero_worker import EpochTimer as EpochClock, parse_plan_args, wait_until  # noqa: E402,E501
 
 
 def build_model(plan):
@@ -65,49 +65,6 @@ def to_float(image, label):
     return tf.cast(image, tf.float32) / 255.0, label
 
 
-class EpochClock(keras.callbacks.Callback):
-    """Per-epoch training seconds (evaluation excluded), test accuracy and loss; progress lines.
-
-    Validation is timed by `on_test_begin`/`on_test_end`, which both `AsyncTrainer.fit` and
-    Keras `fit` call around it.
-    """
-
-    def __init__(self, chief, label):
-        super().__init__()
-        self.chief, self.label = chief, label
-        self.train_seconds, self.val_seconds = [], []
-        self.test_accuracy, self.test_loss, self.loss, self.staleness = [], [], [], []
-        self.val = 0.0
-        self._test_start = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.val = 0.0
-        self._start = time.perf_counter()
-
-    def on_test_begin(self, logs=None):
-        self._test_start = time.perf_counter()
-
-    def on_test_end(self, logs=None):
-        if self._test_start is not None:
-            self.val += time.perf_counter() - self._test_start
-            self._test_start = None
-
-    def on_epoch_end(self, epoch, logs=None):
-        logs = logs or {}
-        total = time.perf_counter() - self._start
-        self.train_seconds.append(total - self.val)
-        self.val_seconds.append(self.val)
-        self.test_accuracy.append(float(logs.get("val_accuracy", float("nan"))))
-        self.test_loss.append(float(logs.get("val_loss", float("nan"))))
-        self.loss.append(float(logs.get("loss", float("nan"))))
-        if "staleness" in logs:
-            self.staleness.append(float(logs["staleness"]))
-        if self.chief:
-            extra = f", mean staleness {logs['staleness']:.2f}" if "staleness" in logs else ""
-            print(f"# {self.label} epoch {epoch + 1}: train {self.train_seconds[-1]:.1f} s, "
-                  f"test accuracy {self.test_accuracy[-1]:.4f}{extra}", flush=True)
-
-
 class MetricCheck(keras.callbacks.Callback):
     """Per epoch: samples the trainer's `loss` metric counted vs samples the strategy counted
     (its exact per-worker counters). They differ if concurrent metric updates are lost."""
@@ -126,18 +83,6 @@ class MetricCheck(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self.metric.append(float(self.trainer.loss_tracker.count.numpy()))
         self.counted.append(self._samples() - self._start)
-
-
-def wait_until(plan, chief):
-    """Sleeps until `start_at` seconds after t0 (when the launcher has applied the caps)."""
-    if "start_at" not in plan:
-        return
-    delay = plan["t0"] + plan["start_at"] - time.time()
-    if chief:
-        print(f"# waiting {max(delay, 0):.1f} s for the CPU caps (start_at "
-              f"{plan['start_at']:g} s)", flush=True)
-    if delay > 0:
-        time.sleep(delay)
 
 
 def make_dynamic(plan):
@@ -269,14 +214,7 @@ def run_bsp(plan):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", required=True, help="the plan JSON file")
-    parser.add_argument("--result", required=True, help="the chief writes its result here")
-    args = parser.parse_args(argv)
-    with open(args.plan) as f:
-        plan = json.load(f)
-    plan.setdefault("t0", time.time())
+    args, plan = parse_plan_args(__doc__, argv)
     started = time.time() - plan["t0"]
     if plan["mode"] == "asp":
         result = run_asp(plan)

@@ -85,12 +85,18 @@ class StepTimer(keras.callbacks.Callback):
 
 
 class EpochTimer(keras.callbacks.Callback):
-    """Per-epoch training time (validation excluded), validation time and metrics."""
+    """Per-epoch training seconds (validation excluded), validation seconds, test accuracy and
+    loss, train loss and (asynchronous training) mean staleness; progress lines on the chief.
+
+    Validation is timed by `on_test_begin`/`on_test_end`, which both Keras `fit` and
+    `tf_hetbatch.AsyncTrainer.fit` call around it.
+    """
 
     def __init__(self, chief, label):
         super().__init__()
         self.chief, self.label = chief, label
-        self.train_seconds, self.val_seconds, self.val_accuracy, self.loss = [], [], [], []
+        self.train_seconds, self.val_seconds = [], []
+        self.test_accuracy, self.test_loss, self.loss, self.staleness = [], [], [], []
         self._test_start = None
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -106,14 +112,19 @@ class EpochTimer(keras.callbacks.Callback):
             self._test_start = None
 
     def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
         total = time.perf_counter() - self._start
         self.train_seconds.append(total - self._val)
         self.val_seconds.append(self._val)
-        self.val_accuracy.append(float(logs.get("val_accuracy", float("nan"))))
+        self.test_accuracy.append(float(logs.get("val_accuracy", float("nan"))))
+        self.test_loss.append(float(logs.get("val_loss", float("nan"))))
         self.loss.append(float(logs.get("loss", float("nan"))))
+        if "staleness" in logs:
+            self.staleness.append(float(logs["staleness"]))
         if self.chief:
+            extra = f", mean staleness {logs['staleness']:.2f}" if "staleness" in logs else ""
             print(f"# {self.label} epoch {epoch + 1}: train {self.train_seconds[-1]:.1f} s, "
-                  f"test accuracy {self.val_accuracy[-1]:.4f}", flush=True)
+                  f"test accuracy {self.test_accuracy[-1]:.4f}{extra}", flush=True)
 
 
 def make_strategy():
@@ -213,6 +224,8 @@ def run_phase(model, strategy, dataset, phase, done, plan, chief):
 
 def wait_until(plan, chief):
     """Sleeps until `start_at` seconds after t0 (when the launcher has applied the caps)."""
+    if "start_at" not in plan:
+        return
     delay = plan["t0"] + plan["start_at"] - time.time()
     if chief:
         print(f"# waiting {max(delay, 0):.1f} s for the CPU caps (start_at "
@@ -261,7 +274,7 @@ def task_accuracy(strategy, plan, chief):
         model.fit(train, epochs=plan["epochs"], validation_data=test, verbose=0,
                   callbacks=callbacks)
         runs.append({"mode": mode, "train_seconds": timer.train_seconds,
-                     "val_seconds": timer.val_seconds, "test_accuracy": timer.val_accuracy,
+                     "val_seconds": timer.val_seconds, "test_accuracy": timer.test_accuracy,
                      "loss": timer.loss,
                      "final_sizes": list(strategy.batch_sizes or []),
                      "adjustments": max(len(dynamic.history) - 1, 0) if dynamic else 0,
@@ -269,8 +282,9 @@ def task_accuracy(strategy, plan, chief):
     return {"data": source, "runs": runs}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
+def parse_plan_args(doc, argv=None):
+    """`--plan PLAN.json --result RESULT.json` of a benchmark worker script: (args, plan)."""
+    parser = argparse.ArgumentParser(description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", required=True, help="the plan JSON file")
     parser.add_argument("--result", required=True, help="the chief writes its result here")
@@ -278,6 +292,11 @@ def main(argv=None):
     with open(args.plan) as f:
         plan = json.load(f)
     plan.setdefault("t0", time.time())
+    return args, plan
+
+
+def main(argv=None):
+    args, plan = parse_plan_args(__doc__, argv)
     strategy = make_strategy()
     chief = strategy.is_chief
     started = time.time() - plan["t0"]
