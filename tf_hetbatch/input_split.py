@@ -32,12 +32,15 @@ def even_sizes(n, num_replicas):
 
 
 def proportional_sizes(n, sizes):
-    """In-graph largest-remainder split of `n` in proportion to `sizes` (int64 vectors)."""
+    """In-graph largest-remainder split of `n` in proportion to `sizes` (int64 vectors).
+
+    All zeros (no split set) gives zeros.
+    """
     total = tf.reduce_sum(sizes)
     scaled = n * sizes
-    floor = scaled // total
+    floor = scaled // tf.maximum(total, 1)
     remainder = scaled - floor * total
-    missing = n - tf.reduce_sum(floor)
+    missing = tf.where(total > 0, n - tf.reduce_sum(floor), 0)
     # Largest remainders first; ties go to the lower replica index (stable sort).
     order = tf.argsort(-remainder, stable=True)
     bonus = tf.scatter_nd(
@@ -48,42 +51,40 @@ def proportional_sizes(n, sizes):
     return floor + bonus
 
 
+# The split functions below run once per global batch inside the input pipeline: straight-line
+# ops only. A tf.cond there is a functional If whose branches are function calls, and each
+# tf.data function call costs about as much as the whole split (see BUILD_NOTES, "Overhead").
 def sizes_for_batch(n, allocation, num_replicas):
     """The per-replica sizes (int64 [K]) for one global batch of `n` samples."""
     allocation = tf.cast(allocation, tf.int64)
     total = tf.reduce_sum(allocation)
-
-    def by_allocation():
-        check = tf.debugging.assert_less_equal(
+    check = tf.debugging.Assert(
+        tf.logical_or(tf.equal(total, 0), n <= total),
+        [
+            "A global batch has more samples than `batch_sizes` sum to. Fix: batch the "
+            "dataset with the global batch size sum(batch_sizes), or call "
+            "set_batch_sizes() with sizes that sum to the dataset's batch size. "
+            "[batch samples, sum(batch_sizes)]",
             n,
             total,
-            message=(
-                "A global batch has more samples than `batch_sizes` sum to. Fix: batch the "
-                "dataset with the global batch size sum(batch_sizes), or call "
-                "set_batch_sizes() with sizes that sum to the dataset's batch size. "
-                "[batch samples, sum(batch_sizes)]"
-            ),
-            summarize=2,
-        )
-        with tf.control_dependencies([check]):
-            return tf.cond(
-                tf.equal(n, total),
-                lambda: tf.identity(allocation),
-                lambda: proportional_sizes(n, allocation),
-            )
-
-    return tf.cond(
-        tf.equal(total, 0), lambda: even_sizes(n, num_replicas), by_allocation
+        ],
     )
+    with tf.control_dependencies([check]):
+        return evaluation_sizes(n, allocation, num_replicas)
 
 
 def evaluation_sizes(n, allocation, num_replicas):
-    """The per-replica sizes (int64 [K]) for an evaluation batch of `n` samples: any n."""
+    """The per-replica sizes (int64 [K]) for an evaluation batch of `n` samples: any n.
+
+    Exactly `allocation` when n is its sum, else in proportion to it (largest remainder), or
+    evenly while it is all zeros.
+    """
     allocation = tf.cast(allocation, tf.int64)
-    return tf.cond(
-        tf.equal(tf.reduce_sum(allocation), 0),
-        lambda: even_sizes(n, num_replicas),
-        lambda: proportional_sizes(n, allocation),
+    total = tf.reduce_sum(allocation)
+    return tf.where(
+        tf.equal(total, 0),
+        even_sizes(n, num_replicas),
+        tf.where(tf.equal(n, total), allocation, proportional_sizes(n, allocation)),
     )
 
 
@@ -262,20 +263,24 @@ def split_global_batches(
     first, count = replica_range if replica_range is not None else (0, num_replicas)
     split_sizes = evaluation_sizes if evaluation else sizes_for_batch
 
-    def to_slices(element, allocated):
+    def to_slices(keep, element, allocated):
+        # One function call per global batch: the slices come out of a fixed chain of
+        # from_tensors datasets, no nested map (each tf.data function call costs about as
+        # much as the rest of the split; see BUILD_NOTES, "Overhead").
         n = batch_dim(element)
         sizes = split_sizes(n, allocated, num_replicas)
-        offsets = tf.cumsum(sizes, exclusive=True)
-        picks = tf.data.Dataset.from_tensor_slices(
-            (offsets[first : first + count], sizes[first : first + count])
-        )
-
-        def take(offset, size):
-            return tf.nest.map_structure(lambda t: t[offset : offset + size], element)
-
-        return picks.map(take)
+        ends = tf.cumsum(sizes)
+        slices = None
+        for k in range(first, first + count):
+            begin, end = ends[k] - sizes[k], ends[k]
+            piece = tf.data.Dataset.from_tensors(
+                tf.nest.map_structure(lambda t: t[begin:end], element)
+            )
+            slices = piece if slices is None else slices.concatenate(piece)
+        # Batches skipped on resuming give no slices (no separate filter call).
+        return slices.take(tf.where(keep, tf.constant(count, tf.int64), tf.constant(0, tf.int64)))
 
     if evaluation:
-        return allocation.annotate_evaluation(dataset).flat_map(to_slices)
-    annotated = allocation.annotate(dataset).filter(lambda keep, element, sizes: keep)
-    return annotated.flat_map(lambda keep, element, sizes: to_slices(element, sizes))
+        annotated = allocation.annotate_evaluation(dataset)
+        return annotated.flat_map(lambda element, sizes: to_slices(True, element, sizes))
+    return allocation.annotate(dataset).flat_map(to_slices)

@@ -3,16 +3,17 @@
 Each training step, every replica records the time from the start of its step to its local
 gradients being ready, before the gradient all-reduce: the time it would take alone, which
 synchronous training hides behind the slowest replica. Where the step starts:
-- one host (`from_release=False`): when every replica's inputs are there. The work between
+- one host (`from_release=False`): when the replica's inputs are there. The work between
   steps (Keras's loop, the update dispatch) is the host's, shared by all its replicas, so it is
   no replica's own cost;
 - several workers (`from_release=True`): when the previous step's all-reduce released the
   replica, so each worker's own per-step work outside the forward and backward pass counts too
   (Keras's step overhead, the optimizer update, the input fetch: on a throttled machine these
   are throttled as well), while the time it waited for slower workers does not. The first step
-  after `reset_clock()` (each new input pipeline, each epoch) starts at its inputs instead. Times, actual sample counts and step counts
-accumulate on each replica's device in ON_READ variables; Python reads them between steps
-(`HeteroMirroredStrategy.read_replica_times`).
+  after `reset_clock()` (each new input pipeline, each epoch) starts at its inputs instead.
+Times, actual sample counts and step counts accumulate on each replica's device in one ON_READ
+variable; Python reads them between steps (`HeteroMirroredStrategy.read_replica_times`). The
+stamps and the record are side ops: no part of the step waits for them.
 """
 
 import dataclasses
@@ -75,15 +76,13 @@ class TimingAccumulators:
         self._num_local = num_local_replicas
         self.from_release = from_release
         with strategy.scope():
-            self._vars = tuple(
-                tf.Variable(
-                    tf.zeros([], tf.float64),
-                    trainable=False,
-                    synchronization=tf.VariableSynchronization.ON_READ,
-                    aggregation=tf.VariableAggregation.SUM,
-                    name=f"hetbatch_{name}",
-                )
-                for name in ("compute_seconds", "samples", "steps")
+            # One vector per replica: (compute seconds, samples, steps), one add per step.
+            self._totals = tf.Variable(
+                tf.zeros([3], tf.float64),
+                trainable=False,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.SUM,
+                name="hetbatch_replica_totals",
             )
             # When the last gradient all-reduce released each replica (0: not yet).
             self._release = tf.Variable(
@@ -108,11 +107,10 @@ class TimingAccumulators:
         ready = [t for t in tf.nest.flatten(reduced, expand_composites=True) if t is not None]
         with tf.control_dependencies(ready):
             now = tf.timestamp()
-        record = self._release.assign(now)
-        with tf.control_dependencies([record]):
-            return tf.nest.map_structure(
-                lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, reduced
-            )
+        # Nothing waits for the record (a stateful op the step runs anyway): the update
+        # after the all-reduce gets no extra barrier.
+        self._release.assign(now)
+        return reduced
 
     def reset_clock(self):
         """Eager: the next step of each replica starts when its inputs are ready."""
@@ -121,26 +119,26 @@ class TimingAccumulators:
 
     def record(self, seconds, samples):
         """In replica context: adds one step of this replica."""
-        seconds_var, samples_var, steps_var = self._vars
-        return tf.group(
-            seconds_var.assign_add(tf.cast(seconds, tf.float64)),
-            samples_var.assign_add(tf.cast(samples, tf.float64)),
-            steps_var.assign_add(tf.constant(1.0, tf.float64)),
+        return self._totals.assign_add(
+            tf.stack(
+                [
+                    tf.cast(seconds, tf.float64),
+                    tf.cast(samples, tf.float64),
+                    tf.constant(1.0, tf.float64),
+                ]
+            )
         )
 
     def read_local(self) -> ReplicaTimes:
         """Eagerly reads this process's replicas, in local replica order."""
-        arrays = [
-            np.array(
-                [float(v.numpy()) for v in self._strategy.experimental_local_results(var)],
-                dtype=np.float64,
-            )
-            for var in self._vars
-        ]
-        return ReplicaTimes(*arrays)
+        rows = np.array(
+            [v.numpy() for v in self._strategy.experimental_local_results(self._totals)],
+            dtype=np.float64,
+        ).reshape(-1, 3)
+        return ReplicaTimes(rows[:, 0], rows[:, 1], rows[:, 2])
 
     def subtract_local(self, times: ReplicaTimes):
         """Removes what was read, keeping anything recorded since (a step may be in flight)."""
-        for var, values in zip(self._vars, (times.compute_seconds, times.samples, times.steps)):
-            for local, value in zip(self._strategy.experimental_local_results(var), values):
-                local.assign_sub(value)
+        rows = np.stack([times.compute_seconds, times.samples, times.steps], axis=1)
+        for local, row in zip(self._strategy.experimental_local_results(self._totals), rows):
+            local.assign_sub(row)
