@@ -163,3 +163,24 @@ def test_keras_distributes_data_from_fit_evaluate_and_predict_iterators(cpus):
     # The validation iterator is built once per fit and cached by Keras.
     assert seen == ["train", "validation", "evaluate", "predict", None]
     assert set(_compat.EVALUATION_LOOPS) == {"validation", "evaluate", "predict"}
+
+
+def test_inline_tf_data_map_is_the_private_map_dataset_run_without_inter_op_threads():
+    # The split's bookkeeping runs through _compat.map_inline; if TensorFlow drops the private
+    # _MapDataset or its flag, it falls back to Dataset.map (correct, slower): fail here first.
+    from tensorflow.python.data.ops.map_op import _MapDataset
+
+    counter = tf.Variable(tf.constant(0, tf.int64))
+
+    def bookkeeping(position, element):
+        # What the split does per batch: variable updates, an unguarded assert, no tf.cond.
+        produced = counter.assign_add(1, read_value=True)
+        check = tf.raw_ops.Assert(condition=position < 100, data=["position", position])
+        with tf.control_dependencies([check]):
+            return produced, element * 2
+
+    ds = _compat.map_inline(tf.data.Dataset.range(5).enumerate(), bookkeeping)
+    assert isinstance(ds, _MapDataset)
+    assert ds._use_inter_op_parallelism is False
+    assert [tuple(int(v) for v in e) for e in ds] == [(i + 1, 2 * i) for i in range(5)]
+    assert int(counter.numpy()) == 5

@@ -24,6 +24,8 @@ consume the batches to skip on resuming, and do not move the newest training key
 
 import tensorflow as tf
 
+from tf_hetbatch import _compat
+
 
 def even_sizes(n, num_replicas):
     """In-graph even split of `n` (int64 scalar) into `num_replicas` sizes."""
@@ -58,16 +60,13 @@ def sizes_for_batch(n, allocation, num_replicas):
     """The per-replica sizes (int64 [K]) for one global batch of `n` samples."""
     allocation = tf.cast(allocation, tf.int64)
     total = tf.reduce_sum(allocation)
-    check = tf.debugging.Assert(
+    check = _assert(
         tf.logical_or(tf.equal(total, 0), n <= total),
-        [
-            "A global batch has more samples than `batch_sizes` sum to. Fix: batch the "
-            "dataset with the global batch size sum(batch_sizes), or call "
-            "set_batch_sizes() with sizes that sum to the dataset's batch size. "
-            "[batch samples, sum(batch_sizes)]",
-            n,
-            total,
-        ],
+        "A global batch has more samples than `batch_sizes` sum to. Fix: batch the "
+        "dataset with the global batch size sum(batch_sizes), or call "
+        "set_batch_sizes() with sizes that sum to the dataset's batch size. "
+        "[batch samples, sum(batch_sizes)]",
+        [n, total],
     )
     with tf.control_dependencies([check]):
         return evaluation_sizes(n, allocation, num_replicas)
@@ -142,6 +141,8 @@ class Allocation:
             # Global batches the next iterator drops first (resuming mid-epoch); each
             # iterator reads it at its first batch, and every train step clears it.
             self.skip = variable(tf.constant(0, tf.int64), "hetbatch_skip_batches")
+            # Key of the first short batch of the current iterator (NEVER: none yet).
+            self.short_key = variable(tf.constant(self.NEVER, tf.int64), "hetbatch_short_key")
         self._next_slot = 1
         self._installed = 0
 
@@ -171,75 +172,102 @@ class Allocation:
     def annotate(self, dataset):
         """One pass over the global batches: skip, number, look up the split, check.
 
-        Each element becomes (keep, element, sizes):
-        - the first `skip` batches of each iterator (read at its first batch) are not kept
+        Each element becomes (keep, element, sizes, ends), ends = cumsum(sizes):
+        - the first `skip` batches of each iterator (read when it starts) are not kept
           (resuming mid-epoch);
-        - every kept batch gets its key (see the class) and the split in force for it;
+        - every kept batch gets its key (see the class) and its per-replica sizes: the split in
+          force for the key applied to the batch's actual number of samples;
         - a short batch (fewer samples than the split sums to) must be the last of the data: a
           batch after a short one means the data is batched by another size than
           sum(batch_sizes), an error.
         """
 
-        def scan_fn(state, element):
-            position, to_skip, base, previous_short = state
-            to_skip = tf.where(position == 0, self.skip.read_value(), to_skip)
-            keep = position >= to_skip
-            produced = self.produced.assign_add(tf.cast(keep, tf.int64), read_value=True) - 1
-            if self.keyed_by_step:
-                base = tf.where(base < 0, self.trained.read_value(), base)
-                key = base + position - to_skip
-            else:
-                key = produced
-            sizes = self.sizes_for_key(key)
-            n = batch_dim(element)
-            total = tf.reduce_sum(tf.cast(sizes, tf.int64))
-            check = tf.debugging.Assert(
-                tf.logical_not(tf.logical_and(keep, previous_short)),
-                [
+        def per_iterator(to_skip, base):
+            def annotate_batch(position, element):
+                keep = position >= to_skip
+                produced = self.produced.assign_add(tf.cast(keep, tf.int64), read_value=True) - 1
+                key = base + position - to_skip if self.keyed_by_step else produced
+                allocated = self.sizes_for_key(key)
+                n = batch_dim(element)
+                total = tf.reduce_sum(tf.cast(allocated, tf.int64))
+                check = _assert(
+                    tf.logical_not(tf.logical_and(keep, key > self.short_key.read_value())),
                     "A global batch followed a short one: the dataset's batches do not have "
                     "sum(batch_sizes) samples. Fix: batch the dataset with the global batch "
                     "size sum(batch_sizes), or call set_batch_sizes() with sizes that sum to "
                     "the dataset's batch size. [this batch's samples, sum(batch_sizes)]",
-                    n,
-                    total,
-                ],
-            )
-            # The newest key produced by the most recent iterator (a validation pass numbers
-            # its batches from the same step as the next epoch, but is over by then).
-            latest = tf.where(
-                position == to_skip, key, tf.maximum(self.last_key.read_value(), key)
-            )
-            record = self.last_key.assign(tf.where(keep, latest, self.last_key))
-            with tf.control_dependencies([check, record]):
-                short = tf.logical_or(
-                    previous_short, tf.logical_and(keep, tf.logical_and(total > 0, n < total))
+                    [n, total],
                 )
-                state = (position + 1, to_skip, base, short)
-                return state, (keep, element, sizes)
+                with tf.control_dependencies([check]):
+                    short = tf.logical_and(keep, tf.logical_and(total > 0, n < total))
+                    mark = self.short_key.assign(
+                        tf.where(short, tf.minimum(self.short_key.read_value(), key),
+                                 self.short_key.read_value())
+                    )
+                # The newest key produced by the most recent iterator (a validation pass numbers
+                # its batches from the same step as the next epoch, but is over by then).
+                latest = tf.where(
+                    position == to_skip, key, tf.maximum(self.last_key.read_value(), key)
+                )
+                record = self.last_key.assign(tf.where(keep, latest, self.last_key.read_value()))
+                sizes = sizes_for_batch(n, allocated, self.num_replicas)
+                with tf.control_dependencies([mark, record]):
+                    return keep, element, sizes, tf.cumsum(sizes)
 
-        zero = tf.constant(0, tf.int64)
-        initial = (zero, zero, tf.constant(-1, tf.int64), tf.constant(False))
-        return dataset.scan(initial, scan_fn)
+            return _compat.map_inline(dataset.enumerate(), annotate_batch)
+
+        def start(_):
+            # Runs when an iterator starts: what the old scan state read at its first batch.
+            with tf.control_dependencies([self.short_key.assign(self.NEVER)]):
+                base = self.trained.read_value() if self.keyed_by_step else tf.constant(0, tf.int64)
+                return self.skip.read_value(), base
+
+        return _per_iterator(dataset, start, per_iterator)
 
     def annotate_evaluation(self, dataset):
-        """One pass over evaluation batches: each element becomes (element, sizes).
+        """One pass over evaluation batches: each element becomes (True, element, sizes, ends).
 
         The split is the one in force for the next training batch, looked up with no side
         effect on the training bookkeeping (no batch counted, nothing skipped, no key
-        recorded). Several workers use the key of the next training step, read at the pass's
-        first batch, for the whole pass: the same on every worker, since every worker
-        evaluates between the same two training steps.
+        recorded). Several workers use the key of the next training step, read when the pass
+        starts, for the whole pass: the same on every worker, since every worker evaluates
+        between the same two training steps.
         """
 
-        def scan_fn(base, element):
-            if self.keyed_by_step:
-                base = tf.where(base < 0, self.trained.read_value(), base)
-                key = base
-            else:
-                key = self.produced.read_value()
-            return base, (element, self.sizes_for_key(key))
+        def per_iterator(base):
+            def annotate_batch(_, element):
+                key = base if self.keyed_by_step else self.produced.read_value()
+                sizes = evaluation_sizes(
+                    batch_dim(element), self.sizes_for_key(key), self.num_replicas
+                )
+                return tf.constant(True), element, sizes, tf.cumsum(sizes)
 
-        return dataset.scan(tf.constant(-1, tf.int64), scan_fn)
+            # enumerate(): the element arrives as one argument, whatever its structure.
+            return _compat.map_inline(dataset.enumerate(), annotate_batch)
+
+        def start(_):
+            return self.trained.read_value()
+
+        return _per_iterator(dataset, start, per_iterator)
+
+
+def _per_iterator(dataset, start, per_iterator):
+    """`per_iterator(*start(...))` as a dataset: `start` runs once when each iterator starts.
+
+    This gives each iterator its own values read at its start (the skip count, the step it
+    starts at) without a `scan`, whose function call per batch costs as much as the split.
+    """
+    once = tf.data.Dataset.range(1).map(start)
+    if isinstance(once.element_spec, tuple):
+        result = once.flat_map(per_iterator)
+    else:
+        result = once.flat_map(lambda value: per_iterator(value))
+    return result.with_options(dataset.options())
+
+
+def _assert(condition, message, data):
+    """An assert op without tf.debugging.Assert's cond guard (inline tf.data maps refuse it)."""
+    return tf.raw_ops.Assert(condition=condition, data=[message] + list(data), summarize=3)
 
 
 def split_global_batches(
@@ -259,17 +287,16 @@ def split_global_batches(
     Returns:
         A `tf.data.Dataset` whose consecutive groups of `count` elements are the slices of one
         global batch in replica order.
+
+    Cost per global batch: one inline map (the bookkeeping, run in the pipeline's thread) and
+    one flat_map call that only slices: a chain of from_tensors datasets, no nested map. Each
+    extra tf.data function call per batch, or one scheduled on the inter-op threads the
+    replicas compute with, cost several percent of a small model's step on 2 cores (see
+    BUILD_NOTES, "Overhead").
     """
     first, count = replica_range if replica_range is not None else (0, num_replicas)
-    split_sizes = evaluation_sizes if evaluation else sizes_for_batch
 
-    def to_slices(keep, element, allocated):
-        # One function call per global batch: the slices come out of a fixed chain of
-        # from_tensors datasets, no nested map (each tf.data function call costs about as
-        # much as the rest of the split; see BUILD_NOTES, "Overhead").
-        n = batch_dim(element)
-        sizes = split_sizes(n, allocated, num_replicas)
-        ends = tf.cumsum(sizes)
+    def to_slices(keep, element, sizes, ends):
         slices = None
         for k in range(first, first + count):
             begin, end = ends[k] - sizes[k], ends[k]
@@ -281,6 +308,5 @@ def split_global_batches(
         return slices.take(tf.where(keep, tf.constant(count, tf.int64), tf.constant(0, tf.int64)))
 
     if evaluation:
-        annotated = allocation.annotate_evaluation(dataset)
-        return annotated.flat_map(lambda element, sizes: to_slices(True, element, sizes))
+        return allocation.annotate_evaluation(dataset).flat_map(to_slices)
     return allocation.annotate(dataset).flat_map(to_slices)
