@@ -2,8 +2,11 @@
 
 (a) One host, 2 logical CPUs: stock `tf.distribute.MirroredStrategy` vs
     `HeteroMirroredStrategy`, the same model (a small CNN and a Dense model on Fashion-MNIST)
-    with the same initial weights and data, `--repeats` interleaved repetitions (the order
-    alternates), median step time of each; ratio = ours / stock.
+    with the same initial weights and data, `--repeats` short interleaved repetitions (the
+    order alternates; default 15 x 40 steps), median step time of each; ratio = ours / stock
+    of the same repetition, median over repetitions. Also the process CPU time per step: on a
+    shared 2-core machine the wall-clock ratio of one repetition swings by +-10%, the CPU
+    time (what the extra work costs when the cores are the bottleneck) much less.
 (b) A homogeneous 2-worker cluster (equal CPU caps, one process per worker): ours at the even
     split vs ours + `DynamicBatching(initial="uniform")` (its measurement collectives every
     10 steps and any split changes it makes), interleaved rounds in ONE cluster run. The stock
@@ -17,6 +20,7 @@ Usage:
     python examples/benchmarks/bench_overhead.py --steps 5    # tiny smoke run
 """
 
+import argparse
 import os
 import sys
 import time
@@ -48,7 +52,7 @@ def single_host(args, tiny):
     from hetero_worker import build_model
 
     devices = ["/cpu:0", "/cpu:1"]
-    steps = args.steps if tiny else 60
+    steps = args.steps if tiny else 40
     x, y, source = fashion_mnist.load("train", 2560 if tiny else 12800)
     ds = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=args.seed)
           .batch(args.batch, drop_remainder=True).repeat())
@@ -56,6 +60,10 @@ def single_host(args, tiny):
     class Timer(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
             self.times, self._last = [], None
+            self.cpu0 = time.process_time()
+
+        def on_train_end(self, logs=None):
+            self.cpu_per_step = (time.process_time() - self.cpu0) / max(1, len(self.times))
 
         def on_train_batch_begin(self, batch, logs=None):
             if self._last is None:
@@ -78,7 +86,8 @@ def single_host(args, tiny):
             models[name] = build_model(strategy, plan)
             models[name].fit(ds, epochs=1, steps_per_epoch=3, verbose=0)  # trace
         medians = {"stock": [], "ours": []}
-        ratios = []
+        cpu = {"stock": [], "ours": []}
+        ratios, cpu_ratios = [], []
         for rep in range(args.repeats):
             order = ("stock", "ours") if rep % 2 == 0 else ("ours", "stock")
             got = {}
@@ -89,12 +98,18 @@ def single_host(args, tiny):
                 skip = min(3, len(timer.times) - 1)
                 got[name] = float(np.median(timer.times[skip:]))
                 medians[name].append(got[name] * 1e3)
+                cpu[name].append(timer.cpu_per_step * 1e3)
             ratios.append(got["ours"] / got["stock"])
+            cpu_ratios.append(cpu["ours"][-1] / cpu["stock"][-1])
             print(f"    (a) {model_name} rep {rep + 1}: stock {got['stock'] * 1e3:.2f} ms, "
-                  f"ours {got['ours'] * 1e3:.2f} ms, ratio {ratios[-1]:.3f}", flush=True)
+                  f"ours {got['ours'] * 1e3:.2f} ms, ratio {ratios[-1]:.3f}; CPU per step "
+                  f"{cpu['stock'][-1]:.1f} / {cpu['ours'][-1]:.1f} ms, ratio {cpu_ratios[-1]:.3f}",
+                  flush=True)
         out[model_name] = {"stock_ms": medians["stock"], "ours_ms": medians["ours"],
                            "ratios": ratios, "ratio": bc.stats(ratios),
-                           "stock": bc.stats(medians["stock"]), "ours": bc.stats(medians["ours"])}
+                           "stock": bc.stats(medians["stock"]), "ours": bc.stats(medians["ours"]),
+                           "stock_cpu_ms": cpu["stock"], "ours_cpu_ms": cpu["ours"],
+                           "cpu_ratios": cpu_ratios, "cpu_ratio": bc.stats(cpu_ratios)}
     return {"data": source, "steps": steps, "models": out}
 
 
@@ -159,7 +174,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=None,
                         help="tiny mode: this many measured steps per repetition, no caps")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="interleaved repetitions (default 5; tiny 2)")
+                        help="interleaved repetitions (default 15 for the single host and 5 "
+                             "cluster rounds; tiny 2)")
     parser.add_argument("--models", default="small_cnn,dense",
                         help="models for part (a) (small_cnn, dense, cnn, linear)")
     parser.add_argument("--cluster-model", default="small_cnn", help="model for part (b)")
@@ -169,6 +185,7 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args(argv)
     tiny = args.steps is not None
+    host_repeats = args.repeats or (2 if tiny else 15)
     args.repeats = args.repeats or (2 if tiny else 5)
     json_path, png, workdir = bc.out_paths(args.out)
     when = bc.now_utc()
@@ -176,15 +193,18 @@ def main(argv=None):
     print("bench_overhead (b): homogeneous 2-worker cluster", flush=True)
     b = cluster(args, tiny, workdir)
     print("bench_overhead (a): one host, 2 logical CPUs", flush=True)
-    a = single_host(args, tiny)
+    a = single_host(argparse.Namespace(**{**vars(args), "repeats": host_repeats}), tiny)
 
     lines = [f"bench_overhead, {when}: B={args.batch}, even split, seed {args.seed}, "
-             f"{args.repeats} interleaved repetitions; median (min-max) over repetitions.", ""]
+             f"{host_repeats} interleaved repetitions on one host, {args.repeats} cluster "
+             "rounds; median (min-max) over repetitions.", ""]
     rows = []
     for name, m in a["models"].items():
         rows.append([f"(a) one host, 2 logical CPUs, {name}", "MirroredStrategy",
                      bc.fmt_stats(m["stock"], digits=2), "HeteroMirroredStrategy",
-                     bc.fmt_stats(m["ours"], digits=2), bc.fmt_stats(m["ratio"], digits=3)])
+                     bc.fmt_stats(m["ours"], digits=2),
+                     bc.fmt_stats(m["ratio"], digits=3)
+                     + f"; CPU/step {bc.fmt_stats(m['cpu_ratio'], digits=3)}"])
     rows.append([f"(b) 2 workers, caps {b['caps']}, {b['model']}", "ours, even split",
                  bc.fmt_stats(b["even"], digits=1), "ours + DynamicBatching",
                  bc.fmt_stats(b["dynamic"], digits=1), bc.fmt_stats(b["ratio"], digits=3)])
