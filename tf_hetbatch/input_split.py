@@ -217,7 +217,8 @@ class Allocation:
             return _compat.map_inline(dataset.enumerate(), annotate_batch)
 
         def start(_):
-            # Runs when an iterator starts: what the old scan state read at its first batch.
+            # Runs once when an iterator starts: clears the short-batch mark, reads the skip
+            # count and (several workers) the step the iterator starts at.
             with tf.control_dependencies([self.short_key.assign(self.NEVER)]):
                 base = self.trained.read_value() if self.keyed_by_step else tf.constant(0, tf.int64)
                 return self.skip.read_value(), base
