@@ -247,7 +247,7 @@ class Allocation:
             return _compat.map_inline(dataset.enumerate(), annotate_batch)
 
         def start(_):
-            return self.trained.read_value()
+            return (self.trained.read_value(),)
 
         return _per_iterator(dataset, start, per_iterator)
 
@@ -258,12 +258,8 @@ def _per_iterator(dataset, start, per_iterator):
     This gives each iterator its own values read at its start (the skip count, the step it
     starts at) without a `scan`, whose function call per batch costs as much as the split.
     """
-    once = tf.data.Dataset.range(1).map(start)
-    if isinstance(once.element_spec, tuple):
-        result = once.flat_map(per_iterator)
-    else:
-        result = once.flat_map(lambda value: per_iterator(value))
-    return result.with_options(dataset.options())
+    once = tf.data.Dataset.range(1).map(start)  # `start` returns a tuple: per_iterator's args
+    return once.flat_map(per_iterator).with_options(dataset.options())
 
 
 def _assert(condition, message, data):
