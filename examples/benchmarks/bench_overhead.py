@@ -20,7 +20,6 @@ Usage:
     python examples/benchmarks/bench_overhead.py --steps 5    # tiny smoke run
 """
 
-import argparse
 import os
 import sys
 import time
@@ -37,7 +36,7 @@ MWMS_NOTE = ("stock MultiWorkerMirroredStrategy: not measurable - Keras 3.15 `fi
              "baseline is HeteroMultiWorkerMirroredStrategy at the even split.")
 
 
-def single_host(args, tiny):
+def single_host(args, tiny, repeats):
     """Part (a): in this process, 2 logical CPUs, stock vs ours, interleaved."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, os.path.dirname(bc.HERE))  # examples/
@@ -88,7 +87,7 @@ def single_host(args, tiny):
         medians = {"stock": [], "ours": []}
         cpu = {"stock": [], "ours": []}
         ratios, cpu_ratios = [], []
-        for rep in range(args.repeats):
+        for rep in range(repeats):
             order = ("stock", "ours") if rep % 2 == 0 else ("ours", "stock")
             got = {}
             for name in order:
@@ -193,7 +192,7 @@ def main(argv=None):
     print("bench_overhead (b): homogeneous 2-worker cluster", flush=True)
     b = cluster(args, tiny, workdir)
     print("bench_overhead (a): one host, 2 logical CPUs", flush=True)
-    a = single_host(argparse.Namespace(**{**vars(args), "repeats": host_repeats}), tiny)
+    a = single_host(args, tiny, host_repeats)
 
     lines = [f"bench_overhead, {when}: B={args.batch}, even split, seed {args.seed}, "
              f"{host_repeats} interleaved repetitions on one host, {args.repeats} cluster "
@@ -220,6 +219,7 @@ def main(argv=None):
     plot(a, b, png)
     bc.write_json(json_path, {"benchmark": "bench_overhead", "date": when, "seed": args.seed,
                               "tiny": tiny, "batch": args.batch, "repeats": args.repeats,
+                              "host_repeats": host_repeats,
                               "single_host": a, "cluster": b, "goal": GOAL, "goal_met": met,
                               "elapsed_s": time.time() - started,
                               "environment": bc.environment(), "png": png})
