@@ -59,9 +59,15 @@ def test_bench_overhead_tiny_mode(tmp_path):
                   "| setting | baseline |")
     assert "MultiWorkerMirroredStrategy" in proc.stdout
     for model in ("small_cnn", "dense"):
-        ratio = data["single_host"]["models"][model]["ratio"]
-        assert ratio["n"] == 2 and _finite(ratio["min"], ratio["median"], ratio["max"])
-        assert ratio["min"] > 0
+        m = data["single_host"]["models"][model]
+        for key in ("ratio", "control_ratio", "cpu_ratio"):
+            ratio = m[key]  # per-block paired ratios: 2 blocks in tiny mode
+            assert ratio["n"] == 2 and _finite(ratio["min"], ratio["median"], ratio["max"])
+            assert ratio["min"] > 0 and ratio["ci90"][0] <= ratio["median"] <= ratio["ci90"][1]
+        assert len(m["stock_ms"]) == len(m["ours_ms"]) == len(m["control_ms"]) == 2
+        for key in ("pipeline_start_ms", "pipeline_end_ms"):
+            got = m[key]
+            assert got["stock"]["n"] == got["ours"]["n"] == 2 and got["ours"]["min"] > 0
     assert data["cluster"]["ratio"]["n"] == 2 and data["cluster"]["ratio"]["median"] > 0
 
 

@@ -27,6 +27,7 @@ import tensorflow as tf
 from tf_hetbatch import _compat
 
 
+
 def even_sizes(n, num_replicas):
     """In-graph even split of `n` (int64 scalar) into `num_replicas` sizes."""
     k = tf.range(num_replicas, dtype=tf.int64)
@@ -172,11 +173,11 @@ class Allocation:
     def annotate(self, dataset):
         """One pass over the global batches: skip, number, look up the split, check.
 
-        Each element becomes (keep, element, sizes, ends), ends = cumsum(sizes):
-        - the first `skip` batches of each iterator (read when it starts) are not kept
+        Each element becomes (element, sizes):
+        - the first `skip` batches of each iterator (read when it starts) are dropped
           (resuming mid-epoch);
-        - every kept batch gets its key (see the class) and its per-replica sizes: the split in
-          force for the key applied to the batch's actual number of samples;
+        - every other batch gets its key (see the class) and its per-replica sizes: the split
+          in force for the key applied to the batch's actual number of samples;
         - a short batch (fewer samples than the split sums to) must be the last of the data: a
           batch after a short one means the data is batched by another size than
           sum(batch_sizes), an error.
@@ -184,14 +185,13 @@ class Allocation:
 
         def per_iterator(to_skip, base):
             def annotate_batch(position, element):
-                keep = position >= to_skip
-                produced = self.produced.assign_add(tf.cast(keep, tf.int64), read_value=True) - 1
-                key = base + position - to_skip if self.keyed_by_step else produced
+                produced = self.produced.assign_add(1, read_value=True) - 1
+                key = base + position if self.keyed_by_step else produced
                 allocated = self.sizes_for_key(key)
                 n = batch_dim(element)
                 total = tf.reduce_sum(tf.cast(allocated, tf.int64))
                 check = _assert(
-                    tf.logical_not(tf.logical_and(keep, key > self.short_key.read_value())),
+                    key <= self.short_key.read_value(),
                     "A global batch followed a short one: the dataset's batches do not have "
                     "sum(batch_sizes) samples. Fix: batch the dataset with the global batch "
                     "size sum(batch_sizes), or call set_batch_sizes() with sizes that sum to "
@@ -199,22 +199,21 @@ class Allocation:
                     [n, total],
                 )
                 with tf.control_dependencies([check]):
-                    short = tf.logical_and(keep, tf.logical_and(total > 0, n < total))
+                    short = tf.logical_and(total > 0, n < total)
                     mark = self.short_key.assign(
                         tf.where(short, tf.minimum(self.short_key.read_value(), key),
                                  self.short_key.read_value())
                     )
                 # The newest key produced by the most recent iterator (a validation pass numbers
                 # its batches from the same step as the next epoch, but is over by then).
-                latest = tf.where(
-                    position == to_skip, key, tf.maximum(self.last_key.read_value(), key)
+                record = self.last_key.assign(
+                    tf.where(position == 0, key, tf.maximum(self.last_key.read_value(), key))
                 )
-                record = self.last_key.assign(tf.where(keep, latest, self.last_key.read_value()))
                 sizes = sizes_for_batch(n, allocated, self.num_replicas)
                 with tf.control_dependencies([mark, record]):
-                    return keep, element, sizes, tf.cumsum(sizes)
+                    return element, tf.identity(sizes)
 
-            return _compat.map_inline(dataset.enumerate(), annotate_batch)
+            return _compat.map_inline(dataset.skip(to_skip).enumerate(), annotate_batch)
 
         def start(_):
             # Runs once when an iterator starts: clears the short-batch mark, reads the skip
@@ -226,7 +225,7 @@ class Allocation:
         return _per_iterator(dataset, start, per_iterator)
 
     def annotate_evaluation(self, dataset):
-        """One pass over evaluation batches: each element becomes (True, element, sizes, ends).
+        """One pass over evaluation batches: each element becomes (element, sizes).
 
         The split is the one in force for the next training batch, looked up with no side
         effect on the training bookkeeping (no batch counted, nothing skipped, no key
@@ -238,10 +237,9 @@ class Allocation:
         def per_iterator(base):
             def annotate_batch(_, element):
                 key = base if self.keyed_by_step else self.produced.read_value()
-                sizes = evaluation_sizes(
+                return element, evaluation_sizes(
                     batch_dim(element), self.sizes_for_key(key), self.num_replicas
                 )
-                return tf.constant(True), element, sizes, tf.cumsum(sizes)
 
             # enumerate(): the element arrives as one argument, whatever its structure.
             return _compat.map_inline(dataset.enumerate(), annotate_batch)
@@ -289,11 +287,14 @@ def split_global_batches(
     one flat_map call that only slices: a chain of from_tensors datasets, no nested map. Each
     extra tf.data function call per batch, or one scheduled on the inter-op threads the
     replicas compute with, cost several percent of a small model's step on 2 cores (see
-    BUILD_NOTES, "Overhead").
+    BUILD_NOTES, "Overhead"). Slicing several batches per call (`window` + C++ `rebatch` with
+    their sizes) measured no saving beyond the noise (about 1% of a small CNN's step) and would
+    delay every split switch by the window, so each batch is sliced on its own.
     """
     first, count = replica_range if replica_range is not None else (0, num_replicas)
 
-    def to_slices(keep, element, sizes, ends):
+    def to_slices(element, sizes):
+        ends = tf.cumsum(sizes)
         slices = None
         for k in range(first, first + count):
             begin, end = ends[k] - sizes[k], ends[k]
@@ -301,8 +302,7 @@ def split_global_batches(
                 tf.nest.map_structure(lambda t: t[begin:end], element)
             )
             slices = piece if slices is None else slices.concatenate(piece)
-        # Batches skipped on resuming give no slices (no separate filter call).
-        return slices.take(tf.where(keep, tf.constant(count, tf.int64), tf.constant(0, tf.int64)))
+        return slices
 
     if evaluation:
         return allocation.annotate_evaluation(dataset).flat_map(to_slices)

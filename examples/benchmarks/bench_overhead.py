@@ -2,11 +2,15 @@
 
 (a) One host, 2 logical CPUs: stock `tf.distribute.MirroredStrategy` vs
     `HeteroMirroredStrategy`, the same model (a small CNN and a Dense model on Fashion-MNIST)
-    with the same initial weights and data, `--repeats` short interleaved repetitions (the
-    order alternates; default 15 x 40 steps), median step time of each; ratio = ours / stock
-    of the same repetition, median over repetitions. Also the process CPU time per step: on a
-    shared 2-core machine the wall-clock ratio of one repetition swings by +-10%, the CPU
-    time (what the extra work costs when the cores are the bottleneck) much less.
+    with the same initial weights and data. Three figures per model:
+    - per step, steady state: what `fit` runs per step (the model's train function on a
+      distributed iterator that lives through the epoch), `--blocks` blocks of 10 steps, the
+      models in random order in each block; ratio = ours / stock of the same block, median
+      over blocks with a 90% bootstrap interval. A second stock strategy with its own copy of
+      the model ("control") gives the noise floor: two identical set-ups differ by a few % on
+      a shared 2-core machine. Also the process CPU time per step.
+    - once per epoch: the pipeline start (a new distributed iterator to its first step) and
+      end (the iterator released after 10 steps), alternating, in ms.
 (b) A homogeneous 2-worker cluster (equal CPU caps, one process per worker): ours at the even
     split vs ours + `DynamicBatching(initial="uniform")` (its measurement collectives every
     10 steps and any split changes it makes), interleaved rounds in ONE cluster run. The stock
@@ -36,80 +40,127 @@ MWMS_NOTE = ("stock MultiWorkerMirroredStrategy: not measurable - Keras 3.15 `fi
              "baseline is HeteroMultiWorkerMirroredStrategy at the even split.")
 
 
-def single_host(args, tiny, repeats):
-    """Part (a): in this process, 2 logical CPUs, stock vs ours, interleaved."""
+def single_host(args, tiny, blocks):
+    """Part (a): in this process, 2 logical CPUs, stock vs a second stock vs ours."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.path.insert(0, os.path.dirname(bc.HERE))  # examples/
     import tensorflow as tf
 
     cpus = tf.config.list_physical_devices("CPU")
     tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
-    import keras
 
     import fashion_mnist
     import tf_hetbatch as hb
     from hetero_worker import build_model
 
     devices = ["/cpu:0", "/cpu:1"]
-    steps = args.steps if tiny else 40
+    block = args.steps if tiny else 10
+    starts = 2 if tiny else 8
     x, y, source = fashion_mnist.load("train", 2560 if tiny else 12800)
     ds = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=args.seed)
           .batch(args.batch, drop_remainder=True).repeat())
+    rng = np.random.default_rng(args.seed)
+    from tf_hetbatch import _compat
 
-    class Timer(keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            self.times, self._last = [], None
-            self.cpu0 = time.process_time()
+    class Control(tf.distribute.MirroredStrategy):
+        """The stock strategy, with collective keys of its own: two stock instances in one
+        process share their keys, and their all-reduces of different models collide."""
 
-        def on_train_end(self, logs=None):
-            self.cpu_per_step = (time.process_time() - self.cpu0) / max(1, len(self.times))
+        def __init__(self, devices):
+            _compat.assign_collective_key_base(self)
+            super().__init__(devices)
 
-        def on_train_batch_begin(self, batch, logs=None):
-            if self._last is None:
-                self._last = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            now = time.perf_counter()
-            self.times.append(now - self._last)
-            self._last = now
-
-    out = {}
-    # One strategy of each kind for the whole process: a second pair would reuse collective
-    # instance keys of the first and abort with a shape mismatch.
+    # One strategy of each kind for the whole process, shared by the models. "control" is a
+    # second stock strategy with its own copy of the model: ratio control/stock is the noise
+    # floor of this comparison (two identical set-ups differ by a few % on a shared machine).
     strategies = {"stock": tf.distribute.MirroredStrategy(devices),
+                  "control": Control(devices),
                   "ours": hb.HeteroMirroredStrategy(devices)}
+    out = {}
     for model_name in args.models.split(","):
         plan = {"model": model_name, "filters": 8}
-        models = {}
+        models, iterators = {}, {}
         for name, strategy in strategies.items():
             models[name] = build_model(strategy, plan)
             models[name].fit(ds, epochs=1, steps_per_epoch=3, verbose=0)  # trace
-        medians = {"stock": [], "ours": []}
-        cpu = {"stock": [], "ours": []}
-        ratios, cpu_ratios = [], []
-        for rep in range(repeats):
-            order = ("stock", "ours") if rep % 2 == 0 else ("ours", "stock")
-            got = {}
-            for name in order:
-                timer = Timer()
-                models[name].fit(ds, epochs=1, steps_per_epoch=steps, verbose=0,
-                                 callbacks=[timer])
-                skip = min(3, len(timer.times) - 1)
-                got[name] = float(np.median(timer.times[skip:]))
-                medians[name].append(got[name] * 1e3)
-                cpu[name].append(timer.cpu_per_step * 1e3)
-            ratios.append(got["ours"] / got["stock"])
-            cpu_ratios.append(cpu["ours"][-1] / cpu["stock"][-1])
-            print(f"    (a) {model_name} rep {rep + 1}: stock {got['stock'] * 1e3:.2f} ms, "
-                  f"ours {got['ours'] * 1e3:.2f} ms, ratio {ratios[-1]:.3f}; CPU per step "
-                  f"{cpu['stock'][-1]:.1f} / {cpu['ours'][-1]:.1f} ms, ratio {cpu_ratios[-1]:.3f}",
-                  flush=True)
-        out[model_name] = {"stock_ms": medians["stock"], "ours_ms": medians["ours"],
-                           "ratios": ratios, "ratio": bc.stats(ratios),
-                           "stock": bc.stats(medians["stock"]), "ours": bc.stats(medians["ours"]),
-                           "stock_cpu_ms": cpu["stock"], "ours_cpu_ms": cpu["ours"],
-                           "cpu_ratios": cpu_ratios, "cpu_ratio": bc.stats(cpu_ratios)}
-    return {"data": source, "steps": steps, "models": out}
+            iterators[name] = iter(strategy.experimental_distribute_dataset(ds))
+            for _ in range(3):
+                models[name].train_function(iterators[name])
+
+        # Steady state: what fit runs per step (the train function on a distributed iterator
+        # that lives through the epoch), in blocks of `block` steps, random order per block.
+        wall = {name: [] for name in strategies}
+        cpu = {name: [] for name in strategies}
+        for _ in range(blocks):
+            for name in rng.permutation(list(strategies)):
+                model, iterator = models[name], iterators[name]
+                w0, c0 = time.perf_counter(), time.process_time()
+                for _ in range(block):
+                    logs = model.train_function(iterator)
+                float(logs["loss"])  # the block's last step has finished
+                wall[name].append((time.perf_counter() - w0) / block * 1e3)
+                cpu[name].append((time.process_time() - c0) / block * 1e3)
+        ratio = {name: list(np.array(wall[name]) / np.array(wall["stock"]))
+                 for name in ("control", "ours")}
+        cpu_ratio = {name: list(np.array(cpu[name]) / np.array(cpu["stock"]))
+                     for name in ("control", "ours")}
+
+        # Once per epoch: a new distributed iterator to its first batch (the pipeline start),
+        # and its release after `block` steps (Keras drops its iterator at the end of fit).
+        start_ms = {name: [] for name in ("stock", "ours")}
+        end_ms = {name: [] for name in ("stock", "ours")}
+        for rep in range(starts):
+            for name in (("stock", "ours") if rep % 2 == 0 else ("ours", "stock")):
+                dist = strategies[name].experimental_distribute_dataset(ds)
+                w0 = time.perf_counter()
+                iterator = iter(dist)
+                logs = models[name].train_function(iterator)
+                float(logs["loss"])
+                start_ms[name].append((time.perf_counter() - w0) * 1e3)
+                for _ in range(block):
+                    logs = models[name].train_function(iterator)
+                float(logs["loss"])
+                w0 = time.perf_counter()
+                del iterator
+                end_ms[name].append((time.perf_counter() - w0) * 1e3)
+
+        m = {"block_steps": block, "blocks": blocks,
+             "stock_ms": wall["stock"], "control_ms": wall["control"], "ours_ms": wall["ours"],
+             "stock": bc.stats(wall["stock"]), "control": bc.stats(wall["control"]),
+             "ours": bc.stats(wall["ours"]),
+             "ratios": ratio["ours"], "control_ratios": ratio["control"],
+             "ratio": _ratio_stats(ratio["ours"], rng),
+             "control_ratio": _ratio_stats(ratio["control"], rng),
+             "cpu_ratio": _ratio_stats(cpu_ratio["ours"], rng),
+             "control_cpu_ratio": _ratio_stats(cpu_ratio["control"], rng),
+             "stock_cpu_ms": bc.stats(cpu["stock"]), "ours_cpu_ms": bc.stats(cpu["ours"]),
+             "pipeline_start_ms": {n: bc.stats(v) for n, v in start_ms.items()},
+             "pipeline_end_ms": {n: bc.stats(v) for n, v in end_ms.items()}}
+        out[model_name] = m
+        print(f"    (a) {model_name}: per step (median of {blocks} blocks of {block} steps) "
+              f"stock {m['stock']['median']:.2f} ms, ours {m['ours']['median']:.2f} ms, ratio "
+              f"{_fmt_ratio(m['ratio'])}; control/stock {_fmt_ratio(m['control_ratio'])}; "
+              f"per epoch: start {m['pipeline_start_ms']['stock']['median']:.0f} / "
+              f"{m['pipeline_start_ms']['ours']['median']:.0f} ms, end "
+              f"{m['pipeline_end_ms']['stock']['median']:.0f} / "
+              f"{m['pipeline_end_ms']['ours']['median']:.0f} ms", flush=True)
+    return {"data": source, "models": out}
+
+
+def _ratio_stats(ratios, rng):
+    """stats() of paired ratios plus a 90% bootstrap interval of their median."""
+    s = bc.stats(ratios)
+    arr = np.asarray(ratios, dtype=float)
+    if arr.size > 1:
+        medians = np.median(rng.choice(arr, size=(1000, arr.size)), axis=1)
+        s["ci90"] = [float(np.percentile(medians, 5)), float(np.percentile(medians, 95))]
+    return s
+
+
+def _fmt_ratio(s):
+    if "ci90" not in s:
+        return f"{s['median']:.3f}"
+    return f"{s['median']:.3f} [{s['ci90'][0]:.3f}-{s['ci90'][1]:.3f}]"
 
 
 def cluster(args, tiny, workdir):
@@ -153,6 +204,8 @@ def plot(a, b, png):
     for name, m in a["models"].items():
         labels.append(f"(a) {name}\nours/stock")
         data.append(m["ratios"])
+        labels.append(f"(a) {name}\ncontrol/stock")
+        data.append(m["control_ratios"])
     labels.append(f"(b) cluster {b['model']}\ndynamic/even")
     data.append([r["ratio"] for r in b["rounds"]])
     for i, vals in enumerate(data):
@@ -161,8 +214,9 @@ def plot(a, b, png):
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(GOAL, color="r", ls="--", lw=0.8, label=f"goal {GOAL}")
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
-    ax.set_ylabel("median step time ratio")
-    ax.set_title("tf_hetbatch overhead at an even split (each dot one repetition)")
+    ax.set_ylabel("step time ratio")
+    ax.set_title("tf_hetbatch overhead at an even split\n(each dot: (a) one block of steps, "
+                 "(b) one cluster round)", fontsize=10)
     ax.legend()
     bc.save_figure(fig, png)
 
@@ -173,8 +227,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=None,
                         help="tiny mode: this many measured steps per repetition, no caps")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="interleaved repetitions (default 15 for the single host and 5 "
-                             "cluster rounds; tiny 2)")
+                        help="interleaved cluster rounds of part (b) (default 5; tiny 2)")
+    parser.add_argument("--blocks", type=int, default=None,
+                        help="blocks of 10 steps per model in part (a) (default 150; tiny 2)")
     parser.add_argument("--models", default="small_cnn,dense",
                         help="models for part (a) (small_cnn, dense, cnn, linear)")
     parser.add_argument("--cluster-model", default="small_cnn", help="model for part (b)")
@@ -184,7 +239,7 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args(argv)
     tiny = args.steps is not None
-    host_repeats = args.repeats or (2 if tiny else 15)
+    blocks = args.blocks or (2 if tiny else 150)
     args.repeats = args.repeats or (2 if tiny else 5)
     json_path, png, workdir = bc.out_paths(args.out)
     when = bc.now_utc()
@@ -192,18 +247,26 @@ def main(argv=None):
     print("bench_overhead (b): homogeneous 2-worker cluster", flush=True)
     b = cluster(args, tiny, workdir)
     print("bench_overhead (a): one host, 2 logical CPUs", flush=True)
-    a = single_host(args, tiny, host_repeats)
+    a = single_host(args, tiny, blocks)
 
-    lines = [f"bench_overhead, {when}: B={args.batch}, even split, seed {args.seed}, "
-             f"{host_repeats} interleaved repetitions on one host, {args.repeats} cluster "
-             "rounds; median (min-max) over repetitions.", ""]
+    lines = [f"bench_overhead, {when}: B={args.batch}, even split, seed {args.seed}. (a) per "
+             f"step: median over {blocks} blocks of ms/step, ratio = median of per-block "
+             f"ratios [90% bootstrap interval]; (b) {args.repeats} cluster rounds, median "
+             "(min-max).", ""]
     rows = []
     for name, m in a["models"].items():
-        rows.append([f"(a) one host, 2 logical CPUs, {name}", "MirroredStrategy",
-                     bc.fmt_stats(m["stock"], digits=2), "HeteroMirroredStrategy",
-                     bc.fmt_stats(m["ours"], digits=2),
-                     bc.fmt_stats(m["ratio"], digits=3)
-                     + f"; CPU/step {bc.fmt_stats(m['cpu_ratio'], digits=3)}"])
+        rows.append([f"(a) one host, 2 logical CPUs, {name}, per step", "MirroredStrategy",
+                     f"{m['stock']['median']:.2f}", "HeteroMirroredStrategy",
+                     f"{m['ours']['median']:.2f}",
+                     f"{_fmt_ratio(m['ratio'])}; CPU/step {_fmt_ratio(m['cpu_ratio'])}; "
+                     f"control (2nd stock) {_fmt_ratio(m['control_ratio'])}"])
+        for what, key in (("start (new iterator to its first step)", "pipeline_start_ms"),
+                          ("end (iterator released)", "pipeline_end_ms")):
+            got = m[key]
+            rows.append([f"(a) {name}, once per epoch: {what}", "MirroredStrategy",
+                         bc.fmt_stats(got["stock"]), "HeteroMirroredStrategy",
+                         bc.fmt_stats(got["ours"]),
+                         f"{got['ours']['median'] - got['stock']['median']:+.0f} ms"])
     rows.append([f"(b) 2 workers, caps {b['caps']}, {b['model']}", "ours, even split",
                  bc.fmt_stats(b["even"], digits=1), "ours + DynamicBatching",
                  bc.fmt_stats(b["dynamic"], digits=1), bc.fmt_stats(b["ratio"], digits=3)])
@@ -219,7 +282,7 @@ def main(argv=None):
     plot(a, b, png)
     bc.write_json(json_path, {"benchmark": "bench_overhead", "date": when, "seed": args.seed,
                               "tiny": tiny, "batch": args.batch, "repeats": args.repeats,
-                              "host_repeats": host_repeats,
+                              "blocks": blocks,
                               "single_host": a, "cluster": b, "goal": GOAL, "goal_met": met,
                               "elapsed_s": time.time() - started,
                               "environment": bc.environment(), "png": png})
