@@ -52,6 +52,7 @@ def single_host(args, tiny, blocks):
     import fashion_mnist
     import tf_hetbatch as hb
     from hetero_worker import build_model
+    from tf_hetbatch import _compat
 
     devices = ["/cpu:0", "/cpu:1"]
     block = args.steps if tiny else 10
@@ -60,7 +61,6 @@ def single_host(args, tiny, blocks):
     ds = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=args.seed)
           .batch(args.batch, drop_remainder=True).repeat())
     rng = np.random.default_rng(args.seed)
-    from tf_hetbatch import _compat
 
     class Control(tf.distribute.MirroredStrategy):
         """The stock strategy, with collective keys of its own: two stock instances in one
@@ -93,11 +93,8 @@ def single_host(args, tiny, blocks):
         cpu = {name: [] for name in strategies}
         for _ in range(blocks):
             for name in rng.permutation(list(strategies)):
-                model, iterator = models[name], iterators[name]
                 w0, c0 = time.perf_counter(), time.process_time()
-                for _ in range(block):
-                    logs = model.train_function(iterator)
-                float(logs["loss"])  # the block's last step has finished
+                _train_steps(models[name], iterators[name], block)
                 wall[name].append((time.perf_counter() - w0) / block * 1e3)
                 cpu[name].append((time.process_time() - c0) / block * 1e3)
         ratio = {name: list(np.array(wall[name]) / np.array(wall["stock"]))
@@ -114,12 +111,9 @@ def single_host(args, tiny, blocks):
                 dist = strategies[name].experimental_distribute_dataset(ds)
                 w0 = time.perf_counter()
                 iterator = iter(dist)
-                logs = models[name].train_function(iterator)
-                float(logs["loss"])
+                _train_steps(models[name], iterator, 1)
                 start_ms[name].append((time.perf_counter() - w0) * 1e3)
-                for _ in range(block):
-                    logs = models[name].train_function(iterator)
-                float(logs["loss"])
+                _train_steps(models[name], iterator, block)
                 w0 = time.perf_counter()
                 del iterator
                 end_ms[name].append((time.perf_counter() - w0) * 1e3)
@@ -145,6 +139,13 @@ def single_host(args, tiny, blocks):
               f"{m['pipeline_end_ms']['stock']['median']:.0f} / "
               f"{m['pipeline_end_ms']['ours']['median']:.0f} ms", flush=True)
     return {"data": source, "models": out}
+
+
+def _train_steps(model, iterator, steps):
+    """`steps` training steps as `fit` runs them (Keras's train function on the iterator)."""
+    for _ in range(steps):
+        logs = model.train_function(iterator)
+    float(logs["loss"])  # the last step has finished
 
 
 def _ratio_stats(ratios, rng):
@@ -225,7 +226,8 @@ def main(argv=None):
     parser = bc.base_parser(__doc__, os.path.join(bc.DEFAULT_OUT_DIR, "overhead.json"),
                             out_help="JSON results; the PNG goes next to it")
     parser.add_argument("--steps", type=int, default=None,
-                        help="tiny mode: this many measured steps per repetition, no caps")
+                        help="tiny mode: this many steps per block of part (a) and per "
+                             "cluster phase of part (b), no caps")
     parser.add_argument("--repeats", type=int, default=None,
                         help="interleaved cluster rounds of part (b) (default 5; tiny 2)")
     parser.add_argument("--blocks", type=int, default=None,
