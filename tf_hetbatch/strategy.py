@@ -139,10 +139,7 @@ class HeteroMixin:
         local = self._timing.read_local()
         if reset:
             self._timing.subtract_local(local)
-        rows = self._gather_local_rows(
-            np.stack([local.compute_seconds, local.samples, local.steps], axis=1)
-        )
-        return timing.ReplicaTimes(rows[:, 0], rows[:, 1], rows[:, 2])
+        return timing.ReplicaTimes.from_rows(self._gather_local_rows(local.rows()))
 
     def restart_step_clock(self) -> None:
         """Times the next step of each replica from its inputs being ready, not from its release.

@@ -36,6 +36,16 @@ class ReplicaTimes:
     samples: np.ndarray
     steps: np.ndarray
 
+    @classmethod
+    def from_rows(cls, rows) -> "ReplicaTimes":
+        """From a [K, 3] array of (compute seconds, samples, steps) rows."""
+        rows = np.asarray(rows, dtype=np.float64).reshape(-1, 3)
+        return cls(rows[:, 0], rows[:, 1], rows[:, 2])
+
+    def rows(self) -> np.ndarray:
+        """float64 [K, 3]: (compute seconds, samples, steps) per replica."""
+        return np.stack([self.compute_seconds, self.samples, self.steps], axis=1)
+
     @property
     def num_replicas(self) -> int:
         return int(self.compute_seconds.shape[0])
@@ -131,14 +141,12 @@ class TimingAccumulators:
 
     def read_local(self) -> ReplicaTimes:
         """Eagerly reads this process's replicas, in local replica order."""
-        rows = np.array(
-            [v.numpy() for v in self._strategy.experimental_local_results(self._totals)],
-            dtype=np.float64,
-        ).reshape(-1, 3)
-        return ReplicaTimes(rows[:, 0], rows[:, 1], rows[:, 2])
+        return ReplicaTimes.from_rows(
+            [v.numpy() for v in self._strategy.experimental_local_results(self._totals)]
+        )
 
     def subtract_local(self, times: ReplicaTimes):
         """Removes what was read, keeping anything recorded since (a step may be in flight)."""
-        rows = np.stack([times.compute_seconds, times.samples, times.steps], axis=1)
-        for local, row in zip(self._strategy.experimental_local_results(self._totals), rows):
+        locals_ = self._strategy.experimental_local_results(self._totals)
+        for local, row in zip(locals_, times.rows()):
             local.assign_sub(row)
