@@ -184,3 +184,39 @@ def test_inline_tf_data_map_is_the_private_map_dataset_run_without_inter_op_thre
     assert ds._use_inter_op_parallelism is False
     assert [tuple(int(v) for v in e) for e in ds] == [(i + 1, 2 * i) for i in range(5)]
     assert int(counter.numpy()) == 5
+
+
+def _get_next_op_types(distributed):
+    iterator = iter(distributed)
+
+    @tf.function
+    def get_next():
+        return iterator.get_next()
+
+    return {op.type for op in get_next.get_concrete_function().graph.get_operations()}
+
+
+def test_partial_batch_handling_is_a_per_dataset_flag_read_by_its_iterators(cpus):
+    # _compat.disable_partial_batch_handling sets a private flag of TensorFlow's distributed
+    # dataset. Finite data of unknown batch shape gets the per-step optional + cond by default;
+    # if the flag goes, our one-host iterators silently get it back (correct, slower).
+    strategy = stock_mirrored(cpus[:2])
+    data = tf.data.Dataset.range(10).batch(3)  # a partial last batch: shape [None]
+
+    def per_worker(_):
+        return data
+
+    assert "OptionalHasValue" in _get_next_op_types(
+        strategy.distribute_datasets_from_function(per_worker)
+    )
+    disabled = _compat.disable_partial_batch_handling(
+        strategy.distribute_datasets_from_function(per_worker)
+    )
+    assert "OptionalHasValue" not in _get_next_op_types(disabled)
+    # Our one-host strategy distributes every dataset without the check; its iterators still
+    # end with the data (every replica gets a slice of every global batch, maybe empty).
+    ours = hb.HeteroMirroredStrategy(cpus[:3])
+    distributed = ours.experimental_distribute_dataset(data)
+    assert "OptionalHasValue" not in _get_next_op_types(distributed)
+    batches = [[int(tf.size(t)) for t in ours.experimental_local_results(b)] for b in distributed]
+    assert batches == [[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 0, 0]]

@@ -404,6 +404,32 @@ def test_predict_any_batch_size_matches_one_device_in_input_order(cpus, batch):
     np.testing.assert_allclose(from_dataset, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("sizes", [(0, 0, 0, 0, 0), (3, 7, 22), (1, 0, 5, 2, 9), (64, 64)],
+                         ids=lambda s: "-".join(map(str, s)))
+def test_the_pipeline_splits_any_batch_by_floor_or_ceiling_shares(sizes):
+    # The rule the input pipeline applies to a batch of n samples (training's partial last
+    # batch, evaluation batches of any size), checked against its definition for every n.
+    from tf_hetbatch import input_split
+
+    k = len(sizes)
+    total = sum(sizes)
+    bounds = tf.constant(input_split.bounds_of(sizes), tf.int64)
+    for n in range(0, 3 * max(total, k) + 1):
+        got = input_split.split_sizes(tf.constant(n, tf.int64), bounds, k).numpy().tolist()
+        assert sum(got) == n and min(got) >= 0, (n, got)
+        if total == 0:  # no split set: even, the first n % k replicas one sample more
+            assert got == [n // k + (i < n % k) for i in range(k)], (n, got)
+            continue
+        if n == total:
+            assert got == list(sizes)
+        shares = [n * b / total for b in sizes]
+        assert all(int(np.floor(q)) <= g <= int(np.ceil(q)) for q, g in zip(shares, got)), (
+            n, got, shares)
+        # The boundaries are the running shares rounded up: nothing is left to chance.
+        ends = np.cumsum([0] + got)
+        assert ends.tolist() == [-(-n * c // total) for c in np.cumsum([0] + list(sizes))]
+
+
 def test_evaluation_data_splits_in_proportion_to_the_sizes(cpus):
     sink = Sink()
 

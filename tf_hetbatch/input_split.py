@@ -1,25 +1,26 @@
 """Splitting each global batch of a tf.data pipeline into uneven per-replica batches.
 
 The pipeline yields global batches of B samples, as for every `tf.distribute` strategy. Each
-global batch gets its number in production order and the split in force for that number (see
-`Allocation`), and is emitted as K consecutive slices, in replica order;
+global batch gets the split in force when it is produced (see `Allocation`; several workers
+key it to the training step instead) and is emitted as K consecutive slices, in replica order;
 `distribute_datasets_from_function` hands element i to replica i % K, so replica k gets slice k.
 A split installed now applies to the global batches produced after it, i.e. a few steps later
-(the distributed iterator prefetches), or from an agreed batch number in multi-worker training.
+(the distributed iterator prefetches), or from an agreed step in multi-worker training.
 
-A TRAINING batch of n samples is split as follows:
-- no sizes set (all zeros): evenly, the first n % K replicas getting one sample more;
-- n == sum(sizes): by the sizes;
-- n < sum(sizes): in proportion to the sizes (largest remainder), which is right for the partial
-  last batch of an epoch and only for it: a second short batch is an error;
-- n > sum(sizes): an error naming both numbers.
+A batch of n samples is split by `split_sizes`: exactly the sizes when n == sum(sizes),
+otherwise in proportion to them (each replica gets its share rounded down or up; the shares
+sum to n), and evenly (the first n % K replicas one sample more) while no sizes are set.
+
+TRAINING data: n < sum(sizes) is right for the partial last batch of an epoch and only for it:
+a batch after a short one is an error, and so is n > sum(sizes) (naming both numbers).
 
 EVALUATION data (Keras `evaluate`, `predict`, `fit`'s validation) may have any batch size, as
-under the stock strategy: every batch of n samples is split in proportion to the sizes
-(largest remainder; exactly the sizes when n == sum(sizes)), or evenly while none are set, with
-no error. Its results are sums over samples, so the split does not change them. Evaluation
-passes leave the training bookkeeping alone: they are not counted as produced batches, do not
-consume the batches to skip on resuming, and do not move the newest training key.
+under the stock strategy, with no error. Its results are sums over samples, so the split does
+not change them. Evaluation passes leave the training bookkeeping alone: they do not consume
+the batches to skip on resuming and (several workers) count and record nothing.
+
+Every global batch gives every replica a slice, possibly empty, so all replicas' data ends at
+the same step.
 """
 
 import tensorflow as tf
@@ -28,64 +29,39 @@ from tf_hetbatch import _compat
 
 
 
-def even_sizes(n, num_replicas):
-    """In-graph even split of `n` (int64 scalar) into `num_replicas` sizes."""
-    k = tf.range(num_replicas, dtype=tf.int64)
-    return n // num_replicas + tf.cast(k < n % num_replicas, tf.int64)
+# The functions below run once per global batch inside the input pipeline: straight-line ops
+# only (no tf.cond: its branches are function calls, and the pipeline's maps run inline, see
+# `_compat.map_inline`), and as few as possible: each op costs ~1-2 us there, on the CPU the
+# replicas compute with (see BUILD_NOTES, "Overhead").
+def split_sizes(n, bounds, num_replicas):
+    """In-graph per-replica sizes (int64 [K]) of a global batch of `n` samples.
 
+    Args:
+        n: int64 scalar, the batch's number of samples.
+        bounds: int64 [K + 1], the split's running sums [0, b_0, b_0 + b_1, ..., B]
+            (`bounds_of`), or all zeros while no split is set.
+        num_replicas: K.
 
-def proportional_sizes(n, sizes):
-    """In-graph largest-remainder split of `n` in proportion to `sizes` (int64 vectors).
-
-    All zeros (no split set) gives zeros.
+    Replica k gets the samples from ceil(n * bounds[k] / B) to ceil(n * bounds[k+1] / B):
+    exactly b_k when n == B, otherwise its share n * b_k / B rounded down or up, the shares
+    summing to n. With no split set, evenly: the first n % K replicas get one sample more.
     """
-    total = tf.reduce_sum(sizes)
-    scaled = n * sizes
-    floor = scaled // tf.maximum(total, 1)
-    remainder = scaled - floor * total
-    missing = tf.where(total > 0, n - tf.reduce_sum(floor), 0)
-    # Largest remainders first; ties go to the lower replica index (stable sort).
-    order = tf.argsort(-remainder, stable=True)
-    bonus = tf.scatter_nd(
-        tf.expand_dims(order, 1),
-        tf.cast(tf.range(tf.size(sizes)) < tf.cast(missing, tf.int32), tf.int64),
-        tf.shape(sizes, out_type=tf.int32),
-    )
-    return floor + bonus
+    total = bounds[-1]
+    k = tf.range(num_replicas + 1, dtype=tf.int64)
+    quotient = n // num_replicas
+    even = k * quotient + tf.minimum(k, n - quotient * num_replicas)
+    divisor = tf.maximum(total, 1)
+    proportional = (n * bounds + (divisor - 1)) // divisor
+    ends = tf.where(total > 0, proportional, even)
+    return ends[1:] - ends[:-1]
 
 
-# The split functions below run once per global batch inside the input pipeline: straight-line
-# ops only. A tf.cond there is a functional If whose branches are function calls, and each
-# tf.data function call costs about as much as the whole split (see BUILD_NOTES, "Overhead").
-def sizes_for_batch(n, allocation, num_replicas):
-    """The per-replica sizes (int64 [K]) for one global batch of `n` samples."""
-    allocation = tf.cast(allocation, tf.int64)
-    total = tf.reduce_sum(allocation)
-    check = _assert(
-        tf.logical_or(tf.equal(total, 0), n <= total),
-        "A global batch has more samples than `batch_sizes` sum to. Fix: batch the "
-        "dataset with the global batch size sum(batch_sizes), or call "
-        "set_batch_sizes() with sizes that sum to the dataset's batch size. "
-        "[batch samples, sum(batch_sizes)]",
-        [n, total],
-    )
-    with tf.control_dependencies([check]):
-        return evaluation_sizes(n, allocation, num_replicas)
-
-
-def evaluation_sizes(n, allocation, num_replicas):
-    """The per-replica sizes (int64 [K]) for an evaluation batch of `n` samples: any n.
-
-    Exactly `allocation` when n is its sum, else in proportion to it (largest remainder), or
-    evenly while it is all zeros.
-    """
-    allocation = tf.cast(allocation, tf.int64)
-    total = tf.reduce_sum(allocation)
-    return tf.where(
-        tf.equal(total, 0),
-        even_sizes(n, num_replicas),
-        tf.where(tf.equal(n, total), allocation, proportional_sizes(n, allocation)),
-    )
+def bounds_of(sizes):
+    """The running sums [0, b_0, b_0 + b_1, ..., B] of a split, as the pipeline reads it."""
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + int(size))
+    return bounds
 
 
 def batch_dim(element):
@@ -102,17 +78,18 @@ def batch_dim(element):
 class Allocation:
     """Host variables that tell the input pipeline how to split each global batch.
 
-    Each global batch gets a number, its key, and uses the split installed with the largest
-    start <= key (latest installed on a tie). A small ring of slots keeps switches that are not
-    reached yet. Two ways of numbering:
-    - one host (`keyed_by_step=False`): the count of global batches produced so far, by any
-      iterator; a split installed with start = that count applies to every batch produced
-      after the call;
-    - several workers (`keyed_by_step=True`): the training step the batch will be trained in,
-      i.e. the steps trained when its iterator produced its first batch, plus its position in
-      that iterator. Every worker computes the same keys whatever its prefetch timing, so the
-      same (start, sizes) installed on every worker, with a start no worker has produced yet,
-      switches all of them at the same global step.
+    A split is stored as its running sums (`bounds_of`); all zeros mean none is set (even
+    split). Two ways of switching:
+    - one host (`keyed_by_step=False`): one split in force; each global batch uses the one in
+      force when the pipeline produces it, so a split installed now applies to every batch
+      produced after the call;
+    - several workers (`keyed_by_step=True`): each global batch gets a key, the training step
+      it will be trained in (the steps trained when its iterator produced its first batch,
+      plus its position in that iterator), and uses the split installed with the largest
+      start <= key (latest installed on a tie); a small ring of slots keeps switches that are
+      not reached yet. Every worker computes the same keys whatever its prefetch timing, so
+      the same (start, sizes) installed on every worker, with a start no worker has produced
+      yet, switches all of them at the same global step.
     """
 
     SLOTS = 8
@@ -126,128 +103,167 @@ class Allocation:
             def variable(value, name):
                 return tf.Variable(value, trainable=False, name=name)
 
-            self.starts = variable(
-                tf.constant([0] + [self.NEVER] * (self.SLOTS - 1), tf.int64),
-                "hetbatch_split_starts",
-            )
-            # Zeros mean "even split of whatever the batch holds".
-            self.sizes = variable(
-                tf.zeros([self.SLOTS, num_replicas], tf.int32), "hetbatch_split_sizes"
-            )
-            # Install order: among slots with the same start, the latest installed wins.
-            self.sequence = variable(tf.zeros([self.SLOTS], tf.int64), "hetbatch_split_sequence")
-            self.produced = variable(tf.constant(0, tf.int64), "hetbatch_batches_produced")
+            zeros = tf.zeros([num_replicas + 1], tf.int64)
+            if keyed_by_step:
+                self.starts = variable(
+                    tf.constant([0] + [self.NEVER] * (self.SLOTS - 1), tf.int64),
+                    "hetbatch_split_starts",
+                )
+                self.bounds = variable(
+                    tf.tile(zeros[tf.newaxis], [self.SLOTS, 1]), "hetbatch_split_bounds"
+                )
+                # Install order: among slots with the same start, the latest installed wins.
+                self.sequence = variable(
+                    tf.zeros([self.SLOTS], tf.int64), "hetbatch_split_sequence"
+                )
+                self.produced = variable(tf.constant(0, tf.int64), "hetbatch_batches_produced")
+                self.last_key = variable(tf.constant(-1, tf.int64), "hetbatch_last_key")
+            else:
+                self.bounds = variable(zeros, "hetbatch_split_bounds")
             self.trained = variable(tf.constant(0, tf.int64), "hetbatch_steps_trained")
-            self.last_key = variable(tf.constant(-1, tf.int64), "hetbatch_last_key")
             # Global batches the next iterator drops first (resuming mid-epoch); each
             # iterator reads it at its first batch, and every train step clears it.
             self.skip = variable(tf.constant(0, tf.int64), "hetbatch_skip_batches")
-            # Key of the first short batch of the current iterator (NEVER: none yet).
-            self.short_key = variable(tf.constant(self.NEVER, tf.int64), "hetbatch_short_key")
+            # Whether the current iterator has produced a short batch (one that must be last).
+            self.short_seen = variable(tf.constant(False), "hetbatch_short_batch_seen")
         self._next_slot = 1
         self._installed = 0
 
-    def install(self, sizes, start):
-        """Makes global batches with key >= `start` use `sizes` (eager, from Python)."""
+    def install(self, sizes, start=None):
+        """Makes global batches use `sizes` (eager, from Python): on one host every batch
+        produced from now on; on several workers those with key >= `start`."""
+        bounds = tf.constant(bounds_of(sizes), tf.int64)
+        if not self.keyed_by_step:
+            self.bounds.assign(bounds)  # one write: a batch sees the old split or the new one
+            return
         slot = self._next_slot
         self._next_slot = (slot + 1) % self.SLOTS
         self._installed += 1
-        self.sizes[slot].assign(tf.constant(sizes, tf.int32))
+        self.bounds[slot].assign(bounds)
         self.sequence[slot].assign(self._installed)
-        # Written after the sizes: a pipeline that sees the new start sees the new sizes.
+        # Written after the bounds: a pipeline that sees the new start sees the new split.
         self.starts[slot].assign(tf.constant(start, tf.int64))
 
     def count_trained_step(self):
         """In the train step (cross-replica context): one more step trained, skip cleared."""
         return tf.group(self.trained.assign_add(1), self.skip.assign(0))
 
-    def sizes_for_key(self, key):
-        """In-graph: the sizes in force for the global batch with this key."""
+    def _bounds_for_key(self, key):
+        """In-graph, several workers: the bounds in force for the global batch with this key."""
         starts = self.starts.read_value()
         valid = starts <= key
         latest_start = tf.reduce_max(tf.where(valid, starts, -1))
         candidates = tf.logical_and(valid, tf.equal(starts, latest_start))
         slot = tf.argmax(tf.where(candidates, self.sequence.read_value(), -1))
-        return tf.gather(self.sizes.read_value(), slot)
+        return tf.gather(self.bounds.read_value(), slot)
 
-    def annotate(self, dataset):
-        """One pass over the global batches: skip, number, look up the split, check.
+    def annotate(self, dataset, emit):
+        """One pass over the global batches: skip, look up the split, check.
 
-        Each element becomes (element, sizes):
+        Each element becomes `emit(element, sizes)`:
         - the first `skip` batches of each iterator (read when it starts) are dropped
           (resuming mid-epoch);
-        - every other batch gets its key (see the class) and its per-replica sizes: the split
-          in force for the key applied to the batch's actual number of samples;
-        - a short batch (fewer samples than the split sums to) must be the last of the data: a
-          batch after a short one means the data is batched by another size than
-          sum(batch_sizes), an error.
+        - every other batch gets its per-replica sizes: the split in force for it (see the
+          class) applied to its actual number of samples (`split_sizes`);
+        - a batch with more samples than the split sums to is an error, and so is one after a
+          short batch (fewer samples than the split sums to, which must be the last of the
+          data): the data is batched by another size than sum(batch_sizes).
         """
+        num_replicas = self.num_replicas
 
         def per_iterator(to_skip, base):
             def annotate_batch(position, element):
-                produced = self.produced.assign_add(1, read_value=True) - 1
-                key = base + position if self.keyed_by_step else produced
-                allocated = self.sizes_for_key(key)
+                deps = []
+                if self.keyed_by_step:
+                    key = base + position
+                    bounds = self._bounds_for_key(key)
+                    # The newest key produced by the most recent iterator (a validation pass
+                    # numbers its batches from the same step as the next epoch, but is over
+                    # by then); the count tells whether any batch was produced yet.
+                    deps += [
+                        self.last_key.assign(
+                            tf.where(position == 0, key,
+                                     tf.maximum(self.last_key.read_value(), key))
+                        ),
+                        self.produced.assign_add(1),
+                    ]
+                else:
+                    bounds = self.bounds.read_value()
                 n = batch_dim(element)
-                total = tf.reduce_sum(tf.cast(allocated, tf.int64))
-                check = _assert(
-                    key <= self.short_key.read_value(),
+                total = bounds[-1]
+                too_large = _assert(
+                    tf.logical_or(n <= total, tf.equal(total, 0)),
+                    "A global batch has more samples than `batch_sizes` sum to. Fix: batch the "
+                    "dataset with the global batch size sum(batch_sizes), or call "
+                    "set_batch_sizes() with sizes that sum to the dataset's batch size. "
+                    "[batch samples, sum(batch_sizes)]",
+                    [n, total],
+                )
+                after_short = _assert(
+                    tf.logical_not(self.short_seen.read_value()),
                     "A global batch followed a short one: the dataset's batches do not have "
                     "sum(batch_sizes) samples. Fix: batch the dataset with the global batch "
                     "size sum(batch_sizes), or call set_batch_sizes() with sizes that sum to "
                     "the dataset's batch size. [this batch's samples, sum(batch_sizes)]",
                     [n, total],
                 )
-                with tf.control_dependencies([check]):
-                    short = tf.logical_and(total > 0, n < total)
-                    mark = self.short_key.assign(
-                        tf.where(short, tf.minimum(self.short_key.read_value(), key),
-                                 self.short_key.read_value())
-                    )
-                # The newest key produced by the most recent iterator (a validation pass numbers
-                # its batches from the same step as the next epoch, but is over by then).
-                record = self.last_key.assign(
-                    tf.where(position == 0, key, tf.maximum(self.last_key.read_value(), key))
-                )
-                sizes = sizes_for_batch(n, allocated, self.num_replicas)
-                with tf.control_dependencies([mark, record]):
-                    return element, tf.identity(sizes)
+                with tf.control_dependencies([too_large, after_short]):
+                    deps.append(self.short_seen.assign(n < total))
+                sizes = split_sizes(n, bounds, num_replicas)
+                with tf.control_dependencies(deps):
+                    return emit(element, tf.identity(sizes))
 
-            return _compat.map_inline(dataset.skip(to_skip).enumerate(), annotate_batch)
+            return _map_batches(dataset.skip(to_skip), annotate_batch, self.keyed_by_step)
 
         def start(_):
             # Runs once when an iterator starts: clears the short-batch mark, reads the skip
             # count and (several workers) the step the iterator starts at.
-            with tf.control_dependencies([self.short_key.assign(self.NEVER)]):
+            with tf.control_dependencies([self.short_seen.assign(False)]):
                 base = self.trained.read_value() if self.keyed_by_step else tf.constant(0, tf.int64)
                 return self.skip.read_value(), base
 
         return _per_iterator(dataset, start, per_iterator)
 
-    def annotate_evaluation(self, dataset):
-        """One pass over evaluation batches: each element becomes (element, sizes).
+    def annotate_evaluation(self, dataset, emit):
+        """One pass over evaluation batches: each element becomes `emit(element, sizes)`.
 
         The split is the one in force for the next training batch, looked up with no side
-        effect on the training bookkeeping (no batch counted, nothing skipped, no key
-        recorded). Several workers use the key of the next training step, read when the pass
-        starts, for the whole pass: the same on every worker, since every worker evaluates
-        between the same two training steps.
+        effect on the training bookkeeping (nothing counted, skipped or recorded), applied to
+        the batch's samples, whatever their number (`split_sizes`). Several workers use the
+        key of the next training step, read when the pass starts, for the whole pass: the same
+        on every worker, since every worker evaluates between the same two training steps.
         """
+        num_replicas = self.num_replicas
 
         def per_iterator(base):
             def annotate_batch(_, element):
-                key = base if self.keyed_by_step else self.produced.read_value()
-                return element, evaluation_sizes(
-                    batch_dim(element), self.sizes_for_key(key), self.num_replicas
-                )
+                if self.keyed_by_step:
+                    bounds = self._bounds_for_key(base)
+                else:
+                    bounds = self.bounds.read_value()
+                return emit(element, split_sizes(batch_dim(element), bounds, num_replicas))
 
-            # enumerate(): the element arrives as one argument, whatever its structure.
-            return _compat.map_inline(dataset.enumerate(), annotate_batch)
+            return _map_batches(dataset, annotate_batch)
+
+        if not self.keyed_by_step:
+            return per_iterator(None)  # nothing to read per iterator
 
         def start(_):
             return (self.trained.read_value(),)
 
         return _per_iterator(dataset, start, per_iterator)
+
+
+def _map_batches(dataset, fn, numbered=False):
+    """`_compat.map_inline` calling fn(position, element), whatever the element's structure.
+
+    The position in the pass (int64) only if `numbered` (an `enumerate`), else None.
+    """
+    if numbered:
+        return _compat.map_inline(dataset.enumerate(), fn)
+    if type(dataset.element_spec) is tuple:  # noqa: E721 - tf.data unpacks exactly tuples
+        return _compat.map_inline(dataset, lambda *element: fn(None, element))
+    return _compat.map_inline(dataset, lambda element: fn(None, element))
 
 
 def _per_iterator(dataset, start, per_iterator):
@@ -283,27 +299,39 @@ def split_global_batches(
         A `tf.data.Dataset` whose consecutive groups of `count` elements are the slices of one
         global batch in replica order.
 
-    Cost per global batch: one inline map (the bookkeeping, run in the pipeline's thread) and
-    one flat_map call that only slices: a chain of from_tensors datasets, no nested map. Each
-    extra tf.data function call per batch, or one scheduled on the inter-op threads the
-    replicas compute with, cost several percent of a small model's step on 2 cores (see
-    BUILD_NOTES, "Overhead"). Slicing several batches per call (`window` + C++ `rebatch` with
-    their sizes) measured no saving beyond the noise (about 1% of a small CNN's step) and would
-    delay every split switch by the window, so each batch is sliced on its own.
+    Cost per global batch: one inline map (`_compat.map_inline`: run in the pipeline's own
+    thread, no inter-op scheduling) does the bookkeeping, slices the batch (one `split` per
+    component, no copy) and returns the slices as a small dataset; the `flat_map` that
+    flattens it has an identity function, which tf.data runs without calling it. A flat_map
+    whose function sliced cost a function call on the inter-op threads per batch, 1-3% of a
+    small model's step on 2 cores (see BUILD_NOTES, "Overhead").
     """
     first, count = replica_range if replica_range is not None else (0, num_replicas)
 
     def to_slices(element, sizes):
-        ends = tf.cumsum(sizes)
+        flat = tf.nest.flatten(element)
+        ends = None
+        columns = []  # per component: its K slices
+        for t in flat:
+            if isinstance(t, tf.Tensor):
+                columns.append(tf.split(t, sizes, num=num_replicas))  # one op, no copy
+            else:  # e.g. a RaggedTensor: slice by the running sums
+                ends = tf.cumsum(sizes) if ends is None else ends
+                columns.append([t[ends[k] - sizes[k]:ends[k]] for k in range(num_replicas)])
         slices = None
         for k in range(first, first + count):
-            begin, end = ends[k] - sizes[k], ends[k]
             piece = tf.data.Dataset.from_tensors(
-                tf.nest.map_structure(lambda t: t[begin:end], element)
+                tf.nest.pack_sequence_as(element, [column[k] for column in columns])
             )
             slices = piece if slices is None else slices.concatenate(piece)
         return slices
 
     if evaluation:
-        return allocation.annotate_evaluation(dataset).flat_map(to_slices)
-    return allocation.annotate(dataset).flat_map(to_slices)
+        per_batch = allocation.annotate_evaluation(dataset, to_slices)
+    else:
+        per_batch = allocation.annotate(dataset, to_slices)
+    return per_batch.flat_map(_itself)
+
+
+def _itself(dataset):
+    return dataset

@@ -96,6 +96,12 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
     def _time_from_release(self):
         return True  # each worker's own work between steps is its cost (see timing.py)
 
+    def _partial_batch_handling(self):
+        # Kept across workers: should a worker's data end early (data that is not the same on
+        # every worker), the others then finish the step with empty batches instead of
+        # waiting for it in a collective.
+        return True
+
     def _switch_start(self):
         produced = int(self._allocation.produced.numpy())
         if self._gather_local_rows(np.full(self._num_local_replicas(), produced)).max() == 0:

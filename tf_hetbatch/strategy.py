@@ -157,11 +157,11 @@ class HeteroMixin:
         Training data must be batched by sum(batch_sizes) (a partial last batch is split in
         proportion). Evaluation data, i.e. data Keras distributes for `evaluate`, `predict` or
         `fit`'s `validation_data`, may be batched by any size, as under the stock strategy:
-        each batch of n samples is split in proportion to `batch_sizes` (largest remainder;
-        evenly while none are set). Evaluation results are sums over samples, so they do not
-        depend on the split. Which one a dataset is comes from the Keras call that distributes
-        it (`_compat.keras_loop_distributing_data`), the same on every worker; data a custom
-        loop distributes is training data.
+        each batch of n samples is split in proportion to `batch_sizes` (each replica's share
+        rounded down or up; evenly while none are set). Evaluation results are sums over
+        samples, so they do not depend on the split. Which one a dataset is comes from the
+        Keras call that distributes it (`_compat.keras_loop_distributing_data`), the same on
+        every worker; data a custom loop distributes is training data.
 
         Args:
             dataset: a `tf.data.Dataset` batched by the global batch size.
@@ -194,7 +194,10 @@ class HeteroMixin:
                 dataset, self._allocation, num_replicas, replica_range, evaluation=evaluation
             )
 
-        return self.distribute_datasets_from_function(dataset_fn, options)
+        distributed = self.distribute_datasets_from_function(dataset_fn, options)
+        if not self._partial_batch_handling():
+            _compat.disable_partial_batch_handling(distributed)
+        return distributed
 
     def _check_dataset(self, dataset, evaluation=False):
         if isinstance(dataset, tf.distribute.DistributedDataset):
@@ -390,8 +393,12 @@ class HeteroMixin:
         return False
 
     def _switch_start(self):
-        """The first global batch key a new split applies to: the next batch produced."""
-        return int(self._allocation.produced.numpy())
+        return None  # one host: a new split applies to the next global batch produced
+
+    def _partial_batch_handling(self):
+        # Every global batch gives every replica a slice (maybe empty), so all replicas' data
+        # ends at the same step: TensorFlow's per-step check for the opposite is not needed.
+        return False
 
     def _host_device(self):
         return "/cpu:0"
