@@ -31,12 +31,13 @@ def run_cluster(out, num_workers, *args, timeout=240):
     return outputs
 
 
-def reference_weights(n=320, batch=32, epochs=2):
+def reference_weights(n=320, batch=32, epochs=2, weighted=False):
     import tensorflow as tf
 
     x, y = mw_train.data(n)
-    model = mw_train.build()
-    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch), epochs=epochs, verbose=0)
+    model = mw_train.build(weighted=weighted)
+    columns = (x, y, mw_train.sample_weights(n)) if weighted else (x, y)
+    model.fit(tf.data.Dataset.from_tensor_slices(columns).batch(batch), epochs=epochs, verbose=0)
     return model.get_weights()
 
 
@@ -75,6 +76,17 @@ def test_two_workers_exact_with_a_switch_at_the_same_step(tmp_path):
     # The history is the same global mean on both workers.
     for key in ("loss", "mae"):
         assert outputs[0][1]["history"][key] == pytest.approx(outputs[1][1]["history"][key])
+
+
+def test_two_workers_exact_with_a_sample_weighted_loss(tmp_path):
+    # Replicas are weighted by their summed sample weight, which each worker's pipeline keeps
+    # for the step (no collective): a wrong total would break equality with one device.
+    outputs = run_cluster(tmp_path, 2, "--sizes", "5,27", "--switch-step", "4",
+                          "--switch-sizes", "20,12", "--sample-weight")
+    ref = reference_weights(weighted=True)
+    assert_every_worker_equals(ref, outputs)
+    unweighted = reference_weights()  # negative control: the weights matter here
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(ref, unweighted)) > 1e-3
 
 
 def test_three_workers_even_split_of_an_indivisible_batch(tmp_path):

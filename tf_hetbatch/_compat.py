@@ -400,9 +400,10 @@ def map_inline(dataset, fn):
 # infinite gets "partial batch handling": every `get_next` fetches each replica's element as an
 # optional, counts the replicas with values and runs a `tf.cond` that feeds empty dummies to
 # the replicas without. It exists for replicas whose data ends at different times. Our split
-# gives every replica a slice of every global batch (possibly empty), so on one host all of
-# them end together and the check is dead weight: measured 3-5% of a small model's step on 2
-# cores (BUILD_NOTES, "Overhead"). `DistributedDatasetsFromFunction` keeps the decision in
+# gives every replica a slice of every global batch (possibly empty), and every worker reads
+# every global batch, so all replicas' data ends together and the check is dead weight:
+# measured 3-5% of a small model's step on 2 cores, and across workers an all-reduce before
+# each step's compute (BUILD_NOTES, "Overhead", "Known cost across workers"). `DistributedDatasetsFromFunction` keeps the decision in
 # `_enable_get_next_as_optional`, read when an iterator is created; there is no public switch
 # per dataset (the strategy-wide `extended.experimental_enable_get_next_as_optional` would
 # also change datasets a user distributes with `distribute_datasets_from_function`).

@@ -94,6 +94,7 @@ class Allocation:
 
     SLOTS = 8
     NEVER = 2**62
+    TOTALS = 64  # > any prefetch depth (SWITCH_MARGIN assumes < 8 batches ahead)
 
     def __init__(self, num_replicas, device="/cpu:0", keyed_by_step=False):
         self.num_replicas = num_replicas
@@ -118,6 +119,11 @@ class Allocation:
                 )
                 self.produced = variable(tf.constant(0, tf.int64), "hetbatch_batches_produced")
                 self.last_key = variable(tf.constant(-1, tf.int64), "hetbatch_last_key")
+                # Row key % TOTALS: (samples, summed sample weight) of the global batch keyed
+                # for that training step, so each step's weights need no collective.
+                self.totals = variable(
+                    tf.zeros([self.TOTALS, 2], tf.float32), "hetbatch_step_totals"
+                )
             else:
                 self.bounds = variable(zeros, "hetbatch_split_bounds")
             self.trained = variable(tf.constant(0, tf.int64), "hetbatch_steps_trained")
@@ -143,6 +149,11 @@ class Allocation:
         self.sequence[slot].assign(self._installed)
         # Written after the bounds: a pipeline that sees the new start sees the new split.
         self.starts[slot].assign(tf.constant(start, tf.int64))
+
+    def step_totals(self):
+        """In-graph, several workers: (samples, summed sample weight) of the global batch
+        trained at the current step (read it after the step's inputs are there)."""
+        return self.totals.read_value()[self.trained.read_value() % self.TOTALS]
 
     def count_trained_step(self):
         """In the train step (cross-replica context): one more step trained, skip cleared."""
@@ -186,6 +197,9 @@ class Allocation:
                                      tf.maximum(self.last_key.read_value(), key))
                         ),
                         self.produced.assign_add(1),
+                        self.totals.scatter_nd_update(
+                            [[key % self.TOTALS]], [_step_amounts(element)]
+                        ),
                     ]
                 else:
                     bounds = self.bounds.read_value()
@@ -252,6 +266,18 @@ class Allocation:
             return (self.trained.read_value(),)
 
         return _per_iterator(dataset, start, per_iterator)
+
+
+def _step_amounts(element):
+    """float32 [2]: a global batch's samples and summed sample weight (Keras's
+    (x, y, sample_weight) tuples; the samples where it has none)."""
+    samples = tf.cast(batch_dim(element), tf.float32)
+    if isinstance(element, tuple) and len(element) == 3 and element[2] is not None:
+        weight = tf.add_n([tf.reduce_sum(tf.cast(w, tf.float32))
+                           for w in tf.nest.flatten(element[2])])
+    else:
+        weight = samples
+    return tf.stack([samples, weight])
 
 
 def _map_batches(dataset, fn, numbered=False):

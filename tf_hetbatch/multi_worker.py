@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_hetbatch import _compat
+from tf_hetbatch import weighting
 from tf_hetbatch.strategy import HeteroMixin
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,14 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
         return bool(self.extended.should_checkpoint)
 
     def _step_total(self, data, mode):
-        return None  # each replica all-reduces its amount (see HeteroMixin._replica_weight)
+        # Every worker's pipeline saw the whole global batch and kept its totals for the step
+        # it is trained in: no collective before the step's compute (a worker waiting in one
+        # for a slower worker would count that wait as its own work, see timing.py).
+        inputs = [t for local in self.experimental_local_results(data)
+                  for t in tf.nest.flatten(local) if isinstance(t, tf.Tensor)]
+        with tf.control_dependencies(inputs):  # the pipeline wrote them when producing these
+            totals = self._allocation.step_totals()
+        return totals[1] if mode == weighting.SAMPLE_WEIGHT else totals[0]
 
     def _gather_local_rows(self, local_values):
         # An all-reduce SUM of a [K, n] table where each replica fills its own row: one small
@@ -97,10 +105,9 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
         return True  # each worker's own work between steps is its cost (see timing.py)
 
     def _partial_batch_handling(self):
-        # Kept across workers: should a worker's data end early (data that is not the same on
-        # every worker), the others then finish the step with empty batches instead of
-        # waiting for it in a collective.
-        return True
+        # Every worker reads every global batch, so all workers' data ends at the same step;
+        # TensorFlow's check would add a cross-worker all-reduce before each step's compute.
+        return False
 
     def _switch_start(self):
         produced = int(self._allocation.produced.numpy())

@@ -43,7 +43,11 @@ class IdRecorder(keras.layers.Layer):
         return inputs * tf.constant([0.0] + [1.0] * 7)
 
 
-def build(sink=None):
+def sample_weights(n):
+    return np.random.default_rng(1).uniform(0.2, 3.0, size=(n,)).astype("float32")
+
+
+def build(sink=None, weighted=False):
     keras.utils.set_random_seed(1)
     layers = [keras.Input((8,))]
     layers.append(IdRecorder(sink) if sink is not None else keras.layers.Lambda(
@@ -53,7 +57,11 @@ def build(sink=None):
         keras.layers.Dense(1),
     ]
     model = keras.Sequential(layers)
-    model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae"])
+    # weighted: the loss is the sample-weighted mean, so replicas are weighted by their summed
+    # sample weight, not their samples.
+    loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight") if weighted \
+        else "mse"
+    model.compile(keras.optimizers.SGD(0.05), loss, metrics=["mae"])
     return model
 
 
@@ -91,6 +99,8 @@ def main():
     parser.add_argument("--switch-step", type=int, default=0)
     parser.add_argument("--switch-sizes", default="")
     parser.add_argument("--validation", type=int, default=0, help="validation samples")
+    parser.add_argument("--sample-weight", action="store_true",
+                        help="(x, y, sample_weight) data and a sample-weighted mean loss")
     args = parser.parse_args()
 
     strategy = hb.HeteroMultiWorkerMirroredStrategy()
@@ -98,13 +108,14 @@ def main():
         strategy.set_batch_sizes([int(s) for s in args.sizes.split(",")])
     sink = Sink()
     with strategy.scope():
-        model = build(sink)
+        model = build(sink, weighted=args.sample_weight)
     callbacks = []
     if args.switch_step:
         switch = SwitchAt(strategy, args.switch_step, [int(s) for s in args.switch_sizes.split(",")])
         callbacks.append(switch)
     x, y = data(args.n)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
+    columns = (x, y, sample_weights(args.n)) if args.sample_weight else (x, y)
+    ds = tf.data.Dataset.from_tensor_slices(columns).batch(args.batch)
     validation = None
     if args.validation:
         xv, yv = data(args.validation)
