@@ -199,7 +199,8 @@ def _get_next_op_types(distributed):
 def test_partial_batch_handling_is_a_per_dataset_flag_read_by_its_iterators(cpus):
     # _compat.disable_partial_batch_handling sets a private flag of TensorFlow's distributed
     # dataset. Finite data of unknown batch shape gets the per-step optional + cond by default;
-    # if the flag goes, our one-host iterators silently get it back (correct, slower).
+    # if the flag goes, our iterators silently get it back (correct, slower; across workers a
+    # collective before every step).
     strategy = stock_mirrored(cpus[:2])
     data = tf.data.Dataset.range(10).batch(3)  # a partial last batch: shape [None]
 

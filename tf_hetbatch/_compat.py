@@ -403,7 +403,8 @@ def map_inline(dataset, fn):
 # gives every replica a slice of every global batch (possibly empty), and every worker reads
 # every global batch, so all replicas' data ends together and the check is dead weight:
 # measured 3-5% of a small model's step on 2 cores, and across workers an all-reduce before
-# each step's compute (BUILD_NOTES, "Overhead", "Known cost across workers"). `DistributedDatasetsFromFunction` keeps the decision in
+# each step's compute (BUILD_NOTES: "Overhead", "No collective before a step's compute").
+# `DistributedDatasetsFromFunction` keeps the decision in
 # `_enable_get_next_as_optional`, read when an iterator is created; there is no public switch
 # per dataset (the strategy-wide `extended.experimental_enable_get_next_as_optional` would
 # also change datasets a user distributes with `distribute_datasets_from_function`).

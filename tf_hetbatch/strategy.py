@@ -308,8 +308,8 @@ class HeteroMixin:
     def _step_total(self, data, mode):
         """Cross-replica context: the step's total amount (samples or sample weight).
 
-        On one host it is the sum over the local replicas' data, at no communication cost.
-        Returns None where replicas must all-reduce it themselves (several workers).
+        On one host it is the sum over the local replicas' data, at no communication cost
+        (several workers read it from their pipelines, see the subclass).
         """
         return tf.add_n(
             [_weighting_amount(d, mode) for d in self.experimental_local_results(data)]
@@ -317,9 +317,6 @@ class HeteroMixin:
 
     def _replica_weight(self, amount, total):
         """Replica context: K * lambda_k, replica k's loss weight (Keras already divides by K)."""
-        if total is None:
-            ctx = tf.distribute.get_replica_context()
-            total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, amount)
         return tf.math.divide_no_nan(float(self.num_replicas_in_sync) * amount, total)
 
     def _global_logs(self, model, outputs):
