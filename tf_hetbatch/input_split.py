@@ -23,6 +23,8 @@ Every global batch gives every replica a slice, possibly empty, so all replicas'
 the same step.
 """
 
+import itertools
+
 import tensorflow as tf
 
 from tf_hetbatch import _compat
@@ -58,10 +60,7 @@ def split_sizes(n, bounds, num_replicas):
 
 def bounds_of(sizes):
     """The running sums [0, b_0, b_0 + b_1, ..., B] of a split, as the pipeline reads it."""
-    bounds = [0]
-    for size in sizes:
-        bounds.append(bounds[-1] + int(size))
-    return bounds
+    return [0, *itertools.accumulate(int(size) for size in sizes)]
 
 
 def batch_dim(element):
@@ -185,6 +184,7 @@ class Allocation:
         def per_iterator(to_skip, base):
             def annotate_batch(position, element):
                 deps = []
+                n = batch_dim(element)
                 if self.keyed_by_step:
                     key = base + position
                     bounds = self._bounds_for_key(key)
@@ -198,12 +198,11 @@ class Allocation:
                         ),
                         self.produced.assign_add(1),
                         self.totals.scatter_nd_update(
-                            [[key % self.TOTALS]], [_step_amounts(element)]
+                            [[key % self.TOTALS]], [_step_amounts(element, n)]
                         ),
                     ]
                 else:
                     bounds = self.bounds.read_value()
-                n = batch_dim(element)
                 total = bounds[-1]
                 too_large = _assert(
                     tf.logical_or(n <= total, tf.equal(total, 0)),
@@ -268,10 +267,10 @@ class Allocation:
         return _per_iterator(dataset, start, per_iterator)
 
 
-def _step_amounts(element):
-    """float32 [2]: a global batch's samples and summed sample weight (Keras's
+def _step_amounts(element, n):
+    """float32 [2]: a global batch's samples (`n`) and summed sample weight (Keras's
     (x, y, sample_weight) tuples; the samples where it has none)."""
-    samples = tf.cast(batch_dim(element), tf.float32)
+    samples = tf.cast(n, tf.float32)
     if isinstance(element, tuple) and len(element) == 3 and element[2] is not None:
         weight = tf.add_n([tf.reduce_sum(tf.cast(w, tf.float32))
                            for w in tf.nest.flatten(element[2])])
