@@ -511,8 +511,6 @@ class DynamicBatching(keras.callbacks.Callback):
         del self.windows[:-_MAX_WINDOWS_KEPT]
         if self._writer is None or not step_time > 0:
             return
-        if np.any((sizes > 0) & (secs <= 0)):
-            return  # a replica reported samples without time: not a valid window to draw
         self._writer.log_window(window["step"], window["samples_per_step"],
                                 window["time_per_step"], step_time)
 

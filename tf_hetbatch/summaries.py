@@ -124,19 +124,36 @@ class BalanceWindow:
     ideal_step_time: Optional[float]
 
     @property
+    def measured(self) -> Tuple[bool, ...]:
+        """Per replica: False if it had samples but no compute time (not measured).
+
+        A replica's time can be 0 when its step's compute took less than the clock's
+        resolution (1 us), or when it finished no step in the window; its batch size is still
+        known and drawn, its time, throughput and wait are not.
+        """
+        return tuple(t > 0 or b == 0 for b, t in zip(self.batch_sizes, self.compute_times))
+
+    @property
     def throughputs(self) -> Tuple[float, ...]:
-        """Samples/s per replica, b_k / t_k (0 for a replica with no samples)."""
-        return tuple(b / t if t > 0 else 0.0 for b, t in zip(self.batch_sizes, self.compute_times))
+        """Samples/s per replica, b_k / t_k (0 for a replica with no samples, NaN unmeasured)."""
+        return tuple(b / t if t > 0 else (0.0 if m else math.nan)
+                     for b, t, m in zip(self.batch_sizes, self.compute_times, self.measured))
 
     @property
     def wait_times(self) -> Tuple[float, ...]:
-        """Seconds/step each replica waits for the slowest one, max(t) - t_k."""
+        """Seconds/step each replica waits for the slowest one, max(t) - t_k (NaN unmeasured)."""
         slowest = max(self.compute_times)
-        return tuple(slowest - t for t in self.compute_times)
+        return tuple(slowest - t if m else math.nan
+                     for t, m in zip(self.compute_times, self.measured))
 
     @property
     def balance_efficiency(self) -> float:
-        """mean(t) / max(t): 1.0 when every replica finishes at once (1.0 if all t are 0)."""
+        """mean(t) / max(t): 1.0 when every replica finishes at once (1.0 if all t are 0).
+
+        NaN when a replica with samples was not measured.
+        """
+        if not all(self.measured):
+            return math.nan
         slowest = max(self.compute_times)
         if slowest <= 0:
             return 1.0
@@ -152,7 +169,7 @@ class BalanceWindow:
         """Aggregate samples/s, sum(b_k) / step_time."""
         return self.global_batch / self.step_time
 
-    def balanced_step_time(self) -> float:
+    def balanced_step_time(self) -> Optional[float]:
         """Step time if the split were proportional to the measured throughputs.
 
         With throughputs X_k = b_k / t_k unchanged, the balanced compute time is
@@ -160,8 +177,10 @@ class BalanceWindow:
         (all-reduce, input, overhead), is added unchanged.
 
         Returns:
-          Seconds per step.
+          Seconds per step, or None when a replica with samples was not measured.
         """
+        if not all(self.measured):
+            return None
         total_throughput = sum(self.throughputs)
         if total_throughput <= 0:
             return self.step_time
@@ -377,7 +396,9 @@ class BalanceWriter:
           step: Global step at the end of the window (int >= 0).
           batch_sizes: Mean samples/step per replica over the window (K values >= 0).
           compute_times: Mean seconds/step per replica, start of step to local gradients
-            ready (K values >= 0; > 0 for every replica with samples).
+            ready (K values >= 0). 0 for a replica with samples means not measured (below
+            the clock's resolution): its batch size is drawn, its time, throughput and wait
+            are not, nor the window's balance efficiency and ideal step time.
           step_time: Mean wall seconds/step of the whole synchronous step (> 0).
           ideal_step_time: Seconds/step of a perfectly balanced split, if known (> 0).
 
@@ -392,12 +413,6 @@ class BalanceWriter:
         step = _check_step(step)
         sizes = _as_floats("batch_sizes", batch_sizes, self._num_replicas)
         times = _as_floats("compute_times", compute_times, self._num_replicas)
-        for k, (b, t) in enumerate(zip(sizes, times)):
-            if b > 0 and t == 0:
-                raise ValueError(
-                    f"`compute_times` must be > 0 for every replica with samples; replica {k} "
-                    f"has batch size {b} and compute time 0. Received: compute_times={list(times)}"
-                )
         step_time = _check_positive_time("step_time", step_time)
         if ideal_step_time is not None:
             ideal_step_time = _check_positive_time("ideal_step_time", ideal_step_time)
@@ -558,21 +573,23 @@ class BalanceWriter:
         for k in range(self._num_replicas):
             with writers[replica_run(k)].as_default():
                 for w in windows:
-                    values = (
-                        (TAG_BATCH_SIZE, w.batch_sizes[k]),
-                        (TAG_COMPUTE_TIME_MS, 1e3 * w.compute_times[k]),
-                        (TAG_REPLICA_THROUGHPUT, w.throughputs[k]),
-                        (TAG_WAIT_TIME_MS, 1e3 * w.wait_times[k]),
-                    )
+                    values = [(TAG_BATCH_SIZE, w.batch_sizes[k])]
+                    if w.measured[k]:
+                        values += [
+                            (TAG_COMPUTE_TIME_MS, 1e3 * w.compute_times[k]),
+                            (TAG_REPLICA_THROUGHPUT, w.throughputs[k]),
+                            (TAG_WAIT_TIME_MS, 1e3 * w.wait_times[k]),
+                        ]
                     tf.summary.experimental.write_raw_pb(_scalars_pb(values), step=w.step)
         with writers[cluster_run()].as_default():
             for w in windows:
                 values = [
-                    (TAG_BALANCE_EFFICIENCY, w.balance_efficiency),
                     (TAG_STEP_TIME_MS, 1e3 * w.step_time),
                     (TAG_THROUGHPUT, w.throughput),
                     (TAG_GLOBAL_BATCH, w.global_batch),
                 ]
+                if all(w.measured):
+                    values.append((TAG_BALANCE_EFFICIENCY, w.balance_efficiency))
                 if w.ideal_step_time is not None:
                     values.append((TAG_IDEAL_STEP_TIME_MS, 1e3 * w.ideal_step_time))
                 tf.summary.experimental.write_raw_pb(_scalars_pb(values), step=w.step)
