@@ -168,6 +168,30 @@ def test_training_stays_exact_while_the_split_changes(cpus):
             assert all(float(v) == int(v) for v in w["samples_per_step"]), w
 
 
+class StepTimeRecorder(CyclingController):
+    """Keeps one split and records the `step_time` each update receives."""
+
+    def __init__(self, split):
+        super().__init__([split])
+        self.step_times = []
+
+    def update(self, state, sizes, times, step_time=None):
+        self.step_times.append(step_time)
+        return super().update(state, sizes, times)
+
+
+def test_each_windows_step_time_reaches_a_controller_that_takes_it(cpus):
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    model = build_under(strategy, cost_model)
+    recorder = StepTimeRecorder((28, 28, 28))  # the split in force: every window is used
+    callback = hb.DynamicBatching(controller=recorder, warmup_steps=2, interval=3)
+    model.fit(cost_dataset(), steps_per_epoch=14, epochs=1, shuffle=False, verbose=0,
+              callbacks=[callback])
+    used = [w["step_time"] for w in callback.windows if w["used"]]
+    assert len(used) >= 3 and all(t > 0 for t in used), callback.windows
+    assert recorder.step_times == pytest.approx(used)
+
+
 def test_explicit_initial_sizes_are_applied(cpus):
     x, y = regression_data()
     strategy = hb.HeteroMirroredStrategy(cpus[:3])

@@ -252,3 +252,98 @@ def test_init_rejects_infeasible_bounds_and_fixes_out_of_bounds_start():
         ModelBasedController(max_sizes=10).init([20, 20, 20])
     state = ModelBasedController(max_sizes=30).init([50, 10])
     assert state.sizes.tolist() == [30, 30] and state.global_batch == 60
+
+
+# --------------------------------------------------------------- step-time search -------
+# Compute times are affine (the model settles at their equal-finish split [109, 19]), but
+# the step time jumps by 35 ms once replica 1 gets 16 samples or more (as a worker capped in
+# CPU-quota periods does): the fastest split is [113, 15], which only the step time shows.
+def _affine_times(sizes):
+    return np.array([0.05 + 0.0004 * sizes[0], 0.03 + 0.0033 * sizes[1]])
+
+
+def _valley_step_time(sizes):
+    return float(np.max(_affine_times(sizes))) + 0.01 + (0.035 if sizes[1] >= 16 else 0.0)
+
+
+def _run_search(ctrl, state, step_time_of, updates, times_of=_affine_times):
+    history = []
+    for _ in range(updates):
+        sizes = state.sizes.astype(float)  # a clean window at the split in force
+        new, state = ctrl.update(state, sizes, times_of(state.sizes),
+                                 step_time=step_time_of(state.sizes))
+        history.append((new, state.reason))
+    return state, history
+
+
+@pytest.mark.parametrize("cls", CONTROLLERS)
+def test_step_time_search_finds_the_fastest_split_the_time_model_cannot_see(cls):
+    ctrl = cls()
+    state, history = _run_search(ctrl, ctrl.init([64, 64]), _valley_step_time, 30)
+    best = min(((b, 128 - b) for b in range(1, 128)), key=_valley_step_time)
+    assert best == (113, 15)
+    if cls is ModelBasedController:
+        assert tuple(state.sizes) == best, history
+    else:  # the smoothed proportional rule still drifts a little while the search runs
+        assert _valley_step_time(state.sizes) <= 1.02 * _valley_step_time(best), history
+    assert any("step-time search done" in reason for _, reason in history), history
+    assert all(tuple(new) == tuple(state.sizes) for new, _ in history[-5:]), history
+    # Without the step time (or with the search off) the model stays at its equal finish.
+    plain, _ = _run_search(ctrl, ctrl.init([64, 64]), lambda s: None, 30)
+    off = cls(step_time_search=False)
+    unsearched, _ = _run_search(off, off.init([64, 64]), _valley_step_time, 30)
+    assert tuple(plain.sizes) == tuple(unsearched.sizes)
+    assert abs(plain.sizes[0] - 109) <= 1  # the equal finish of the compute times
+    assert not any(k.startswith("search_") for k in plain.stats)
+
+
+@pytest.mark.parametrize("cls", CONTROLLERS)
+def test_step_time_search_keeps_the_settled_split_when_no_neighbour_is_faster(cls):
+    rng = np.random.default_rng(3)
+
+    def noisy_flat(sizes):  # equal-finish is best, +-4% noise on every window
+        return (float(np.max(_affine_times(sizes))) + 0.01) * rng.uniform(0.96, 1.04)
+
+    ctrl = cls()
+    state, history = _run_search(ctrl, ctrl.init([64, 64]), noisy_flat, 30)
+    assert tuple(state.sizes) == (109, 19), history
+    # After the model's last move: one try each way, neither kept.
+    last_move = max(i for i, (_, reason) in enumerate(history)
+                    if reason.startswith("rebalanced") or "starts over" in reason)
+    tries = [new for new, reason in history[last_move + 1:] if "trying" in reason]
+    assert len(tries) == 2 and tries[0][0] > 109 > tries[1][0], history
+    assert all(tuple(new) == (109, 19) for new, _ in history[-10:]), history
+
+
+def test_step_time_search_starts_over_when_conditions_change():
+    ctrl = ModelBasedController()
+    state, _ = _run_search(ctrl, ctrl.init([64, 64]), _valley_step_time, 30)
+    assert tuple(state.sizes) == (113, 15)
+
+    def slower_1(sizes):  # replica 1 now twice as slow
+        return _affine_times(sizes) * np.array([1.0, 2.0])
+
+    state, history = _run_search(ctrl, state, lambda s: float(np.max(slower_1(s))) + 0.01, 12,
+                                 times_of=slower_1)
+    assert any("starts over" in reason for _, reason in history), history
+    t = slower_1(state.sizes)
+    assert state.sizes[1] < 15 and abs(t[0] - t[1]) / t.max() < 0.1, history
+
+
+def test_step_time_search_state_round_trips_mid_search():
+    ctrl = ModelBasedController()
+    state, _ = _run_search(ctrl, ctrl.init([64, 64]), _valley_step_time, 4)
+    assert state.stats["search_phase"][0] in (1, 2)  # measuring or trying
+    restored = ControllerState.from_dict(json.loads(json.dumps(state.to_dict())))
+    a, _ = _run_search(ctrl, state, _valley_step_time, 10)
+    b, _ = _run_search(ctrl, restored, _valley_step_time, 10)
+    assert a.to_dict() == b.to_dict()
+    sizes, removed = ctrl.remove_replicas(state, np.array([True, False]))
+    assert sizes == (128,) and not any(k.startswith("search_") for k in removed.stats)
+
+
+@pytest.mark.parametrize("step_time", [0.0, -1.0, float("nan"), "fast"])
+def test_bad_step_time_is_rejected_with_the_value(step_time):
+    ctrl = ModelBasedController()
+    with pytest.raises(ValueError, match=r"step_time=.*" + str(step_time)[:3]):
+        ctrl.update(ctrl.init([8, 8]), [8, 8], [0.1, 0.1], step_time=step_time)

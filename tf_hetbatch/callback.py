@@ -15,6 +15,7 @@ cluster-wide log lines are chief-only.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import numbers
 import os
@@ -65,6 +66,11 @@ class DynamicBatching(keras.callbacks.Callback):
        go to `controller.update`, and a changed split is applied. A change reaches the
        replicas 2 to 4 steps later (the input pipeline prefetches), so the first window after
        a change is used only if every replica's samples/step equals the new split.
+       Synchronous training also passes the window's mean step time (the slowest worker's,
+       one small collective) to a controller whose `update` takes `step_time=`: the
+       built-in ones then refine the split their model settled on by trying neighbouring
+       splits and keeping a measurably faster one (`step_time_search`), since compute times
+       alone miss costs such as a CPU quota spent in periods or a collective's wait.
 
     The same measurements always give the same split (controllers are pure functions of their
     state and inputs), so runs are reproducible up to timing noise.
@@ -77,7 +83,8 @@ class DynamicBatching(keras.callbacks.Callback):
             of K ints summing to B.
         controller: `"model"` (default, `ModelBasedController`), `"proportional"`
             (`ProportionalController`), or a controller object with `init(sizes)` and
-            `update(state, sizes, times) -> (sizes, state)` (it keeps its own bounds).
+            `update(state, sizes, times) -> (sizes, state)` (it keeps its own bounds; it
+            gets `step_time=` too if its `update` takes it).
         min_sizes: smallest batch per replica, int or one int per replica. Default 1.
         max_sizes: largest batch per replica, int, one int per replica, or None (B).
         warmup_steps: steps at the start of every `fit` left unmeasured (tracing). Default 5.
@@ -456,7 +463,7 @@ class DynamicBatching(keras.callbacks.Callback):
                          self._global_step)
         else:
             used = True
-            self._control(strategy, sizes, secs)
+            self._control(strategy, sizes, secs, step_time)
         self._log_window(sizes, secs, step_time, used)
         if hasattr(strategy, "read_staleness"):  # asynchronous training
             self._log_staleness(strategy.read_staleness(reset=True))
@@ -477,9 +484,17 @@ class DynamicBatching(keras.callbacks.Callback):
         else:
             self._apply_static(strategy, self._static_split(total, num), self._static_reason())
 
-    def _control(self, strategy, sizes, secs):
+    def _control(self, strategy, sizes, secs, step_time):
         old = self._sizes
-        new, state = self.controller.update(self.controller_state, sizes, secs)
+        if _takes_step_time(self.controller) and not hasattr(strategy, "read_staleness"):
+            # The controller's step-time search needs the same value on every worker: the
+            # slowest worker's mean step (a collective, at the same step everywhere).
+            local = np.full(len(strategy.extended.worker_devices), step_time)
+            step_time = float(np.max(strategy.gather_replica_values(local)))
+            new, state = self.controller.update(self.controller_state, sizes, secs,
+                                                step_time=step_time)
+        else:
+            new, state = self.controller.update(self.controller_state, sizes, secs)
         self.controller_state = state
         new = tuple(int(v) for v in new)
         if new != old:
@@ -637,6 +652,16 @@ def _make_controller(controller, min_sizes, max_sizes):
                 f"{_split._fmt(value)} and a controller with {name}={_split._fmt(own)}. Fix: "
                 f"set the bounds on the controller only, e.g. ModelBasedController({name}=...).")
     return controller
+
+
+def _takes_step_time(controller) -> bool:
+    """Whether `controller.update` accepts `step_time=` (the built-in controllers do)."""
+    try:
+        params = inspect.signature(controller.update).parameters
+    except (TypeError, ValueError):
+        return False
+    return "step_time" in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _bounds_arg(value):

@@ -14,6 +14,11 @@ Two controllers share one shape:
   and jumps to the equal-finish-time split in one step; rejects outliers, accepts
   persistent regime changes, falls back to the proportional rule while beta is unknown.
 
+Both refine the split they settle on from the measured step time when `update` gets it
+(`step_time=`, which `DynamicBatching` passes): a model of compute times cannot see every
+cost of a step (a CPU quota spent in periods, a collective that waits for a throttled
+process), so neighbouring splits are tried and a measurably faster one is kept.
+
 Example:
     >>> ctrl = ModelBasedController()
     >>> state = ctrl.init([32, 32])
@@ -133,17 +138,23 @@ class _Controller:
     """Shared plumbing: bounds, validation, dead-band bookkeeping, b_max lowering."""
 
     def __init__(self, *, min_sizes: Bounds = 1, max_sizes: Bounds = None,
-                 dead_band: float = 0.05, max_drop: Optional[float] = 0.15):
+                 dead_band: float = 0.05, max_drop: Optional[float] = 0.15,
+                 step_time_search: bool = True):
         self.min_sizes = min_sizes
         self.max_sizes = max_sizes
         self.dead_band = _check_fraction("dead_band", dead_band)
         self.max_drop = None if max_drop is None else _check_fraction("max_drop", max_drop)
+        if not isinstance(step_time_search, bool):
+            raise ValueError(f"`step_time_search` must be True or False. "
+                             f"Received: step_time_search={step_time_search!r}")
+        self.step_time_search = step_time_search
 
     # ----- public API -------------------------------------------------------------------
     def get_config(self) -> Dict[str, Any]:
         """Constructor arguments as a JSON-serialisable dict (see `from_config`)."""
         config = {"min_sizes": self.min_sizes, "max_sizes": self.max_sizes,
-                  "dead_band": self.dead_band, "max_drop": self.max_drop}
+                  "dead_band": self.dead_band, "max_drop": self.max_drop,
+                  "step_time_search": self.step_time_search}
         for key in ("min_sizes", "max_sizes"):
             if config[key] is not None and np.ndim(config[key]) == 1:
                 config[key] = [int(v) for v in config[key]]
@@ -187,8 +198,8 @@ class _Controller:
             sizes = np.array(fixed, np.int64)
         return ControllerState(total, sizes, lo, hi, stats=self._init_stats(num))
 
-    def update(self, state: ControllerState, sizes: ArrayLike,
-               times: ArrayLike) -> Tuple[Tuple[int, ...], ControllerState]:
+    def update(self, state: ControllerState, sizes: ArrayLike, times: ArrayLike,
+               step_time: Optional[float] = None) -> Tuple[Tuple[int, ...], ControllerState]:
         """Takes one window of measurements and returns the next allocation.
 
         Args:
@@ -196,6 +207,15 @@ class _Controller:
             sizes: mean samples per step of each replica over the window (floats, length K).
             times: mean compute seconds per step of each replica over the window; 0 means
                 "no measurement" for that replica.
+            step_time: mean wall seconds per step of the whole synchronous step over the
+                window, the same value on every worker (`DynamicBatching` passes it), or None.
+                With it and `step_time_search`, once the rule holds a split (its anchor), a
+                search measures that split's step time over two windows, then tries the
+                neighbouring split b_k ~ b_k ** 1.15 (more to the larger batches), keeps it
+                while each try is faster by more than the dead-band and the measured noise,
+                and tries b_k ~ b_k ** 0.85 once if the first try was not faster; it holds
+                the best split until the rule moves away from its anchor, which starts a
+                new search. Each try costs two windows.
 
         Returns:
             `(new_sizes, new_state)`: a tuple of K python ints summing to the global batch,
@@ -207,8 +227,21 @@ class _Controller:
         num = state.num_replicas
         sizes = _measurement("sizes", sizes, num)
         times = _measurement("times", times, num)
-        target, hi, stats, reason = self._update(state, sizes, times)
+        searching = self.step_time_search and step_time is not None
+        if searching:
+            step_time = _step_time(step_time)
+        search = _Search.of(state) if searching else None
+        # While a search has moved the split, the model keeps judging from where it settled
+        # (the anchor): it moves the split only for a gain over that point.
+        model_state = state if search is None or search.phase == 0 else state.replace(
+            sizes=search.anchor)
+        target, hi, stats, reason = self._update(model_state, sizes, times)
+        stats = {**{k: v for k, v in state.stats.items() if k.startswith(_Search.PREFIX)},
+                 **stats}
         target = np.asarray(target, np.int64)
+        if search is not None:
+            target, stats, reason = search.step(self, state, target, hi, stats, reason, sizes,
+                                                step_time)
         changed = not np.array_equal(target, state.sizes)
         new_state = ControllerState(state.global_batch, target, state.min_sizes, hi,
                                     updates=state.updates + 1,
@@ -240,7 +273,8 @@ class _Controller:
         _split.resolve_bounds(state.global_batch, int(keep.sum()), lo.tolist(), hi.tolist())
         sizes = _split.split_proportionally(state.global_batch,
                                             np.maximum(state.sizes[keep], 1), lo, hi)
-        stats = {k: v[keep] for k, v in state.stats.items()}
+        stats = {k: v[keep] for k, v in state.stats.items()
+                 if not k.startswith(_Search.PREFIX)}  # a step-time search starts over
         new = state.replace(sizes=sizes, min_sizes=lo, max_sizes=hi, stats=stats,
                             reason=f"removed {int((~keep).sum())} replica(s); re-split")
         return sizes, new
@@ -281,6 +315,8 @@ class ProportionalController(_Controller):
         dead_band: keep the allocation when the predicted step-time gain is below this.
         max_drop: lower b_max of a replica to its previous size when its throughput fell by
             more than this fraction after its batch was increased; None disables.
+        step_time_search: when `update` gets the window's step time, refine the settled
+            split on it (see `_Controller.update`); False keeps the rule alone.
 
     Example:
         >>> ctrl = ProportionalController()
@@ -291,9 +327,9 @@ class ProportionalController(_Controller):
 
     def __init__(self, *, min_sizes: Bounds = 1, max_sizes: Bounds = None,
                  smoothing: float = 0.5, dead_band: float = 0.05,
-                 max_drop: Optional[float] = 0.15):
+                 max_drop: Optional[float] = 0.15, step_time_search: bool = True):
         super().__init__(min_sizes=min_sizes, max_sizes=max_sizes, dead_band=dead_band,
-                         max_drop=max_drop)
+                         max_drop=max_drop, step_time_search=step_time_search)
         self.smoothing = _check_fraction("smoothing", smoothing)
 
     def get_config(self) -> Dict[str, Any]:
@@ -363,6 +399,8 @@ class ModelBasedController(_Controller):
         confirm_updates: consecutive same-sign deviations that prove a regime change (>= 1).
         min_spread: relative spread of observed sizes needed to identify the slope.
         max_drop: b_max lowering tolerance as in `ProportionalController`; None disables.
+        step_time_search: refine the settled split on the measured step time, as in
+            `ProportionalController`.
 
     Example:
         >>> ctrl = ModelBasedController()
@@ -375,9 +413,10 @@ class ModelBasedController(_Controller):
     def __init__(self, *, min_sizes: Bounds = 1, max_sizes: Bounds = None,
                  forgetting: float = 0.8, dead_band: float = 0.05,
                  outlier_threshold: float = 0.3, confirm_updates: int = 2,
-                 min_spread: float = 0.02, max_drop: Optional[float] = 0.15):
+                 min_spread: float = 0.02, max_drop: Optional[float] = 0.15,
+                 step_time_search: bool = True):
         super().__init__(min_sizes=min_sizes, max_sizes=max_sizes, dead_band=dead_band,
-                         max_drop=max_drop)
+                         max_drop=max_drop, step_time_search=step_time_search)
         self.forgetting = _check_fraction("forgetting", forgetting)
         if not (isinstance(outlier_threshold, (int, float)) and outlier_threshold > 0):
             raise ValueError(f"`outlier_threshold` must be a number > 0 (relative deviation)."
@@ -532,3 +571,145 @@ class ModelBasedController(_Controller):
         x = _split.water_fill(float(total), -alpha / beta, 1.0 / beta, lo, hi)
         return _split.round_preserving_sum(
             x, total, lo, hi, priority=lambda base: -(alpha + beta * (base + 1)))
+
+
+def _step_time(value) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"`step_time` must be a number of seconds > 0 or None. "
+                         f"Received: step_time={value!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"`step_time` must be a finite number of seconds > 0 or None. "
+                         f"Received: step_time={value!r}")
+    return value
+
+
+class _Search:
+    """Step-time search around the split a controller's model settled on.
+
+    A model of compute times cannot see every cost of a step: a CPU quota spent in periods, a
+    collective that waits for a throttled process, kernels whose time jumps with the batch.
+    So once the model holds a split (its anchor), the search measures that split's step time
+    over two windows, then tries the neighbouring split b_k ~ b_k ** (1 + s) (more to the
+    replicas with more samples, s = 0.15), keeps it if its step time is lower by more than
+    the dead-band and the measured noise, and goes on in that direction until a split is
+    not faster; if the first try is not faster, it tries the other direction (s = -0.15,
+    towards the even split) once. Then it holds the best split until the model moves away
+    from its anchor (a change of conditions), which starts a new search. Each try costs two
+    windows (the one straddling the change is not measured).
+
+    State lives in `ControllerState.stats` under `search_*` (per-replica arrays; scalars are
+    repeated per replica), so it survives `to_dict` / `from_dict`.
+    """
+
+    PREFIX = "search_"
+    IDLE, BASE, PROBE, DONE = 0, 1, 2, 3
+    EXPONENT = 0.15
+
+    def __init__(self, phase, anchor, base, base_time, noise, count, direction, accepted):
+        self.phase = int(phase)
+        self.anchor = np.asarray(anchor, np.int64)
+        self.base = np.asarray(base, np.int64)
+        self.base_time = float(base_time)
+        self.noise = float(noise)
+        self.count = int(count)
+        self.direction = int(direction)
+        self.accepted = int(accepted)
+
+    @classmethod
+    def of(cls, state: ControllerState) -> "_Search":
+        st = state.stats
+        if cls.PREFIX + "phase" not in st or st[cls.PREFIX + "phase"].size != state.num_replicas:
+            return cls(cls.IDLE, state.sizes, state.sizes, 0.0, 0.0, 0, 1, 0)
+
+        def scalar(key):
+            return float(st[cls.PREFIX + key][0])
+
+        return cls(scalar("phase"), np.rint(st[cls.PREFIX + "anchor"]),
+                   np.rint(st[cls.PREFIX + "base"]), scalar("base_time"), scalar("noise"),
+                   scalar("count"), scalar("direction"), scalar("accepted"))
+
+    def _stats(self, stats, **changes) -> Dict[str, np.ndarray]:
+        for key, value in changes.items():
+            setattr(self, key, value)
+        num = self.anchor.size
+        out = dict(stats)
+        for key in ("phase", "base_time", "noise", "count", "direction", "accepted"):
+            out[self.PREFIX + key] = np.full(num, float(getattr(self, key)))
+        out[self.PREFIX + "anchor"] = self.anchor.astype(np.float64)
+        out[self.PREFIX + "base"] = self.base.astype(np.float64)
+        return out
+
+    def _probe(self, sizes, direction, lo, hi) -> Optional[np.ndarray]:
+        """The neighbouring split in `direction`, or None if the bounds leave none."""
+        total = int(np.sum(sizes))
+        weights = np.maximum(sizes.astype(np.float64), 0.5)
+        for scale in (1, 2, 4):  # a larger step where rounding keeps the split
+            exponent = 1.0 + direction * scale * self.EXPONENT
+            new = np.asarray(_split.split_proportionally(total, weights ** exponent, lo, hi),
+                             np.int64)
+            if not np.array_equal(new, sizes):
+                return new
+        return None
+
+    def step(self, ctrl, state, target, hi, stats, reason, sizes, step_time):
+        """(sizes, stats, reason) after one window, given the model's `target`."""
+        lo, current = state.min_sizes, state.sizes
+        ms = 1e3 * step_time
+        if self.phase == self.IDLE:
+            if not np.array_equal(target, current):
+                return target, self._stats(stats, anchor=target, base=target), reason
+            self.anchor = current.copy()
+        elif not np.array_equal(target, self.anchor) or np.any(current > hi) or np.any(
+                self.base > hi):
+            stats = self._stats(stats, phase=self.IDLE, anchor=target, base=target, count=0,
+                                accepted=0, direction=1)
+            return target, stats, f"{reason}; step-time search starts over"
+        if not np.allclose(sizes, current, rtol=0, atol=1e-6):
+            return current, self._stats(stats), reason  # a window not at the split in force
+        if self.phase in (self.IDLE, self.BASE):
+            if self.count == 0:
+                stats = self._stats(stats, phase=self.BASE, base=current, base_time=step_time,
+                                    count=1, accepted=0, direction=1)
+                return current, stats, f"{reason}; step-time search: {_fmt_ms(ms)} at " \
+                    f"{current.tolist()}"
+            base_time = 0.5 * (self.base_time + step_time)
+            noise = abs(step_time - self.base_time) / (step_time + self.base_time)
+            probe = self._probe(current, 1, lo, hi)
+            if probe is None:
+                stats = self._stats(stats, phase=self.DONE, base_time=base_time, noise=noise,
+                                    count=2)
+                return current, stats, f"{reason}; step-time search: no neighbouring split"
+            stats = self._stats(stats, phase=self.PROBE, base_time=base_time, noise=noise,
+                                count=2)
+            return probe, stats, (f"step-time search: trying {probe.tolist()} against "
+                                  f"{current.tolist()} at {_fmt_ms(1e3 * base_time)}")
+        if self.phase == self.DONE:
+            return self.base, self._stats(stats), reason
+        # PROBE: this window measured the split being tried.
+        margin = max(ctrl.dead_band, self.noise)
+        was = _fmt_ms(1e3 * self.base_time)
+        if step_time < self.base_time * (1.0 - margin):
+            nxt = self._probe(current, self.direction, lo, hi)
+            stats = self._stats(stats, base=current, base_time=step_time,
+                                accepted=self.accepted + 1,
+                                phase=self.PROBE if nxt is not None else self.DONE)
+            if nxt is None:
+                return current, stats, (f"step-time search: {current.tolist()} kept, "
+                                        f"{_fmt_ms(ms)} < {was}")
+            return nxt, stats, (f"step-time search: {current.tolist()} faster ({_fmt_ms(ms)} "
+                                f"< {was}); trying {nxt.tolist()}")
+        if self.accepted == 0 and self.direction == 1:
+            nxt = self._probe(self.base, -1, lo, hi)
+            if nxt is not None:
+                return nxt, self._stats(stats, direction=-1), (
+                    f"step-time search: {current.tolist()} not faster ({_fmt_ms(ms)} vs "
+                    f"{was}); trying {nxt.tolist()}")
+        stats = self._stats(stats, phase=self.DONE)
+        return self.base, stats, (f"step-time search done: {self.base.tolist()} at {was} "
+                                  f"({current.tolist()}: {_fmt_ms(ms)})")
+
+
+def _fmt_ms(ms: float) -> str:
+    return f"{ms:.3g} ms"

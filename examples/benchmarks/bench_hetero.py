@@ -52,7 +52,9 @@ def grid_splits(batch, caps, exponents, min_size=1):
 
 def make_plan(args, caps, tiny):
     steps = args.steps if tiny else 24
-    dyn_steps = 16 if tiny else 100
+    # Long enough for the controller to settle (~60 steps) and its step-time search to try
+    # the neighbouring splits (~70): the second half is the steady state measured.
+    dyn_steps = 16 if tiny else 240
     grid = grid_splits(args.batch, caps, EXPONENTS_TINY if tiny else EXPONENTS)
     phases = [{"name": "warmup", "kind": "warmup", "sizes": "even", "steps": 3 if tiny else 10,
                "skip": 0}]
@@ -86,11 +88,15 @@ def analyse(result, caps, batch):
                "best_ms": mine["best"]["step_ms_median"], "best_sizes": mine["best"]["sizes"],
                "dynamic_ms": mine["dynamic"]["step_ms_median"],
                "dynamic_sizes": mine["dynamic"]["sizes"],
-               "dynamic_adjustments": mine["dynamic"]["adjustments"]}
+               "dynamic_adjustments": mine["dynamic"]["adjustments"],
+               "dynamic_search_tries": mine["dynamic"].get("search_tries", 0),
+               "dynamic_phase_mean_ms": mine["dynamic"]["step_ms_mean"],
+               "dynamic_steps": mine["dynamic"]["steps"]}
         if "dyn-defaults" in mine:
             row.update(defaults_ms=mine["dyn-defaults"]["step_ms_median"],
                        defaults_sizes=mine["dyn-defaults"]["sizes"],
                        defaults_adjustments=mine["dyn-defaults"]["adjustments"],
+                       defaults_search_tries=mine["dyn-defaults"].get("search_tries", 0),
                        defaults_initial=mine["dyn-defaults"]["history"][0]["new"]
                        if mine["dyn-defaults"]["history"] else None)
         per_round.append(row)
@@ -125,14 +131,16 @@ def report(a, args, caps, result, when):
     rows.append(["DynamicBatching(initial='uniform')", bc.fmt_stats(s["dynamic_ms"], digits=1),
                  bc.fmt_stats(speed["dynamic_ms"], digits=2),
                  " ; ".join(str(r["dynamic_sizes"]) for r in rounds)
-                 + f" ({'/'.join(str(r['dynamic_adjustments']) for r in rounds)} adj.)"])
+                 + f" ({'/'.join(str(r['dynamic_adjustments']) for r in rounds)} adj., "
+                 f"{'/'.join(str(r['dynamic_search_tries']) for r in rounds)} search)"])
     if "defaults_ms" in s:
         rows.append(["DynamicBatching() defaults (flops start)",
                      bc.fmt_stats(s["defaults_ms"], digits=1),
                      bc.fmt_stats(speed["defaults_ms"], digits=2),
                      " ; ".join(str(r["defaults_sizes"]) for r in rounds)
                      + f" (start {rounds[0]['defaults_initial']}, "
-                     f"{'/'.join(str(r['defaults_adjustments']) for r in rounds)} adj.)"])
+                     f"{'/'.join(str(r['defaults_adjustments']) for r in rounds)} adj., "
+                     f"{'/'.join(str(r['defaults_search_tries']) for r in rounds)} search)"])
     rows.append(["ideal (fitted models + remainder)", f"{ideal:.1f}",
                  f"{s['even_ms']['median'] / ideal:.2f}",
                  "[" + ", ".join(f"{b:.1f}" for b in a["ideal_split"]) + "]"])
@@ -147,6 +155,10 @@ def report(a, args, caps, result, when):
               "", "Static grid (median step ms per round): " + "; ".join(
                   f"{'/'.join(map(str, g['sizes']))}: " + ",".join(f"{v:.0f}" for v in g["step_ms"])
                   for g in a["grid"])]
+    whole = bc.stats([r["dynamic_phase_mean_ms"] for r in rounds])
+    lines += ["", f"Whole DynamicBatching(initial='uniform') phase, start-up and search included "
+              f"({rounds[0]['dynamic_steps']} steps from the even split): mean "
+              f"{bc.fmt_stats(whole, digits=1)} ms/step."]
     dyn_vs_best = s["dynamic_ms"]["median"] / s["best_ms"]["median"]
     dyn_vs_ideal = s["dynamic_ms"]["median"] / ideal
     goals = {"dynamic_at_least_as_fast_as_best_static": bool(dyn_vs_best <= 1.0),

@@ -216,9 +216,13 @@ def run_interference(args, tiny, workdir):
                 for name, (lo, hi) in zip(("during", "after"), bounds[1:]):
                     if lo <= t < hi:
                         adjust[name].append({"step": e["step"], "t": float(t - lo) if not tiny
-                                             else float(t - first), "new": e["new"]})
+                                             else float(t - first), "new": e["new"],
+                                             "search": _is_search(e)})
             out.append({"round": r, "policy": policy, "regions": regions,
-                        "adjustments": {k: len(v) for k, v in adjust.items()},
+                        "adjustments": {k: sum(not a["search"] for a in v)
+                                        for k, v in adjust.items()},
+                        "search_tries": {k: sum(a["search"] for a in v)
+                                         for k, v in adjust.items()},
                         "adjustment_log": adjust, "final_sizes": p["sizes"],
                         "total_s": float(secs.sum()), "stamps": stamps.tolist(),
                         "step_seconds": secs.tolist(), "cap_method": result["cap_method"],
@@ -227,21 +231,34 @@ def run_interference(args, tiny, workdir):
             "recover_at_s": recover_at, "steps": steps, "runs": out}
 
 
+def _is_search(entry):
+    """A change made by the controllers' step-time search (a try, a return), not the rule."""
+    return entry.get("reason", "").startswith("step-time search")
+
+
+def _adjustment_cell(log):
+    rebalances = [a for a in log if not a.get("search")]
+    cell = f"{len(rebalances)}" + (f" (+{rebalances[0]['t']:.1f} s)" if rebalances else "")
+    tries = len(log) - len(rebalances)
+    return cell + (f", {tries} search" if tries else "")
+
+
 def interference_lines(res, args, when):
     lines = [f"bench_sweep interference, {when}: {args.workers} workers at "
              f"{res['caps'][0]:.2f} CPU, worker 0 slowed {args.slowdown:g}x at "
              f"{res['slow_at_s']} s, restored at {res['recover_at_s']} s (launcher schedule, "
              f"seconds since start); model {args.model}, B={args.batch}, {res['steps']} steps; "
              f"step times median (mean) ms; adjustments = DynamicBatching.history entries "
-             f"in the region (first at + seconds after the change).", ""]
+             f"in the region made by the rule (first at + seconds after the change), then the "
+             f"step-time search's tries.", ""]
     rows = []
     for run in res["runs"]:
         g = run["regions"]
         adj = run["adjustment_log"]
         rows.append([run["round"], run["policy"]] + [
             f"{g[k]['median_ms']:.0f} ({g[k]['mean_ms']:.0f})" for k in ("before", "during", "after")]
-            + [f"{len(adj[k])}" + (f" (+{adj[k][0]['t']:.1f} s)" if adj[k] else "")
-               for k in ("during", "after")] + [f"{run['total_s']:.1f}"])
+            + [_adjustment_cell(adj[k]) for k in ("during", "after")]
+            + [f"{run['total_s']:.1f}"])
     lines += bc.table(["round", "policy", "before", "during (slowed)", "after (restored)",
                        "adj. during", "adj. after", "total s"], rows,
                       ["---:", "---"] + ["---:"] * 6)

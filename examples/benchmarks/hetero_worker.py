@@ -200,7 +200,12 @@ def run_phase(model, strategy, dataset, phase, done, plan, chief):
         record["sizes"] = list(dynamic.batch_sizes or [])
         steady = secs[len(secs) // 2:]
         record["step_ms_median"] = float(np.median(steady) * 1e3)
-        record["adjustments"] = max(len(dynamic.history) - 1, 0)  # the first is the initial
+        record["step_ms_mean"] = float(np.mean(secs) * 1e3)
+        # Changes after the initial split: by the controller's rule, and its step-time
+        # search's tries (and returns).
+        search = [e for e in dynamic.history[1:] if e["reason"].startswith("step-time search")]
+        record["adjustments"] = max(len(dynamic.history) - 1 - len(search), 0)
+        record["search_tries"] = len(search)
         used = [w for w in dynamic.windows if w["used"]]
         tail = used[len(used) // 2:] or dynamic.windows[-1:]
         if tail:
