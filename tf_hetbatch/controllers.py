@@ -231,11 +231,15 @@ class _Controller:
         if searching:
             step_time = _step_time(step_time)
         search = _Search.of(state) if searching else None
-        # While a search has moved the split, the model keeps judging from where it settled
-        # (the anchor): it moves the split only for a gain over that point.
-        model_state = state if search is None or search.phase == 0 else state.replace(
-            sizes=search.anchor)
-        target, hi, stats, reason = self._update(model_state, sizes, times)
+        # While a search runs or holds its result, the rule keeps judging from where it
+        # settled (the anchor), and moves only for a predicted gain well beyond its dead-band
+        # (a change of conditions): small moves of its estimates would undo the search.
+        model_state, dead_band = state, self.dead_band
+        if search is not None and search.phase != search.IDLE:
+            model_state = state.replace(sizes=search.anchor)
+            if search.phase != search.BASE:
+                dead_band = min(0.5, _Search.RULE_DEAD_BAND_FACTOR * self.dead_band)
+        target, hi, stats, reason = self._update(model_state, sizes, times, dead_band)
         stats = {**{k: v for k, v in state.stats.items() if k.startswith(_Search.PREFIX)},
                  **stats}
         target = np.asarray(target, np.int64)
@@ -283,7 +287,7 @@ class _Controller:
     def _init_stats(self, num: int) -> Dict[str, np.ndarray]:
         raise NotImplementedError
 
-    def _update(self, state, sizes, times):
+    def _update(self, state, sizes, times, dead_band):
         raise NotImplementedError
 
     def _lower_max(self, state: ControllerState, sizes: np.ndarray, throughput: np.ndarray,
@@ -339,7 +343,7 @@ class ProportionalController(_Controller):
         zeros = np.zeros(num)
         return {"throughput": zeros, "prev_size": zeros, "prev_throughput": zeros}
 
-    def _update(self, state, sizes, times):
+    def _update(self, state, sizes, times, dead_band):
         valid = (times > 0) & (sizes > 0)
         x_now = np.where(valid, sizes / np.where(times > 0, times, 1.0), 0.0)
         old = state.stats["throughput"]
@@ -358,10 +362,10 @@ class ProportionalController(_Controller):
         current = float(np.max(state.sizes / cap))
         gain = 1.0 - float(np.max(target / cap)) / current if current > 0 else 0.0
         in_bounds = np.all(state.sizes <= hi) and np.all(state.sizes >= state.min_sizes)
-        if gain < self.dead_band and in_bounds:
+        if gain < dead_band and in_bounds:
             return state.sizes, hi, stats, (
                 f"dead-band: max predicted gain {100 * gain:.1f}% < "
-                f"{100 * self.dead_band:.0f}%;{note}".rstrip(";"))
+                f"{100 * dead_band:.0f}%;{note}".rstrip(";"))
         return target, hi, stats, (
             f"rebalanced: predicted gain {100 * gain:.1f}% (throughput-proportional);"
             f"{note}".rstrip(";"))
@@ -492,7 +496,7 @@ class ModelBasedController(_Controller):
         beta = np.where(known, beta, fill)
         return alpha, beta, identified | remembered
 
-    def _update(self, state, sizes, times):
+    def _update(self, state, sizes, times, dead_band):
         st = dict(state.stats)  # entries are replaced, never written in place
         valid = times > 0
         has = st["s0"] > 0
@@ -558,9 +562,9 @@ class ModelBasedController(_Controller):
         mode = "affine model" if ident.all() else (
             f"affine model, {int((~ident).sum())} replica(s) proportional (slope not yet "
             "identified)")
-        if gain < self.dead_band and in_bounds:
+        if gain < dead_band and in_bounds:
             reason = (f"dead-band: max predicted gain {100 * gain:.1f}% < "
-                      f"{100 * self.dead_band:.0f}%;{notes}")
+                      f"{100 * dead_band:.0f}%;{notes}")
             return state.sizes, hi, st, reason.rstrip(";")
         reason = f"rebalanced: predicted gain {100 * gain:.1f}% ({mode});{notes}"
         return target, hi, st, reason.rstrip(";")
@@ -586,62 +590,64 @@ def _step_time(value) -> float:
 
 
 class _Search:
-    """Step-time search around the split a controller's model settled on.
+    """Step-time search around the split a controller's rule settled on.
 
     A model of compute times cannot see every cost of a step: a CPU quota spent in periods, a
     collective that waits for a throttled process, kernels whose time jumps with the batch.
-    So once the model holds a split (its anchor), the search measures that split's step time
+    So once the rule holds a split (its anchor), the search measures that split's step time
     over two windows, then tries the neighbouring split b_k ~ b_k ** (1 + s) (more to the
-    replicas with more samples, s = 0.15), keeps it if its step time is lower by more than
-    the dead-band and the measured noise, and goes on in that direction until a split is
-    not faster; if the first try is not faster, it tries the other direction (s = -0.15,
-    towards the even split) once. Then it holds the best split until the model moves away
-    from its anchor (a change of conditions), which starts a new search. Each try costs two
-    windows (the one straddling the change is not measured).
+    replicas with more samples, s = 0.15). A try faster than the base by more than the
+    dead-band and the measured noise becomes the base, and the search goes on in that
+    direction. A try that is not faster is checked against the base measured again (the
+    machine may have changed meanwhile: one window back at the base); if it was faster after
+    all, it becomes the base; otherwise the other direction (s = -0.15, towards the even
+    split) is tried once, if no try was kept yet. Then the best split is held until the rule
+    moves away from its anchor by a predicted gain of 3x its dead-band (a change of
+    conditions), which starts a new search. Each try or check costs two windows (the one
+    straddling the change is not measured).
 
     State lives in `ControllerState.stats` under `search_*` (per-replica arrays; scalars are
     repeated per replica), so it survives `to_dict` / `from_dict`.
     """
 
     PREFIX = "search_"
-    IDLE, BASE, PROBE, DONE = 0, 1, 2, 3
+    IDLE, BASE, PROBE, RECHECK, DONE = 0, 1, 2, 3, 4
     EXPONENT = 0.15
+    RULE_DEAD_BAND_FACTOR = 3.0
+    _SCALARS = ("phase", "base_time", "probe_time", "noise", "count", "direction", "accepted")
+    _VECTORS = ("anchor", "base", "probe")
 
-    def __init__(self, phase, anchor, base, base_time, noise, count, direction, accepted):
-        self.phase = int(phase)
-        self.anchor = np.asarray(anchor, np.int64)
-        self.base = np.asarray(base, np.int64)
-        self.base_time = float(base_time)
-        self.noise = float(noise)
-        self.count = int(count)
-        self.direction = int(direction)
-        self.accepted = int(accepted)
+    def __init__(self, sizes, **values):
+        self.phase, self.count, self.direction, self.accepted = self.IDLE, 0, 1, 0
+        self.base_time = self.probe_time = self.noise = 0.0
+        self.anchor = self.base = self.probe = np.asarray(sizes, np.int64)
+        for key, value in values.items():
+            setattr(self, key, value)
 
     @classmethod
     def of(cls, state: ControllerState) -> "_Search":
-        st = state.stats
-        if cls.PREFIX + "phase" not in st or st[cls.PREFIX + "phase"].size != state.num_replicas:
-            return cls(cls.IDLE, state.sizes, state.sizes, 0.0, 0.0, 0, 1, 0)
-
-        def scalar(key):
-            return float(st[cls.PREFIX + key][0])
-
-        return cls(scalar("phase"), np.rint(st[cls.PREFIX + "anchor"]),
-                   np.rint(st[cls.PREFIX + "base"]), scalar("base_time"), scalar("noise"),
-                   scalar("count"), scalar("direction"), scalar("accepted"))
+        st, num = state.stats, state.num_replicas
+        keys = [cls.PREFIX + k for k in cls._SCALARS + cls._VECTORS]
+        if not all(k in st and st[k].size == num for k in keys):
+            return cls(state.sizes)
+        values = {k: float(st[cls.PREFIX + k][0]) for k in cls._SCALARS}
+        for k in ("phase", "count", "direction", "accepted"):
+            values[k] = int(values[k])
+        values.update({k: np.rint(st[cls.PREFIX + k]).astype(np.int64) for k in cls._VECTORS})
+        return cls(state.sizes, **values)
 
     def _stats(self, stats, **changes) -> Dict[str, np.ndarray]:
         for key, value in changes.items():
             setattr(self, key, value)
         num = self.anchor.size
         out = dict(stats)
-        for key in ("phase", "base_time", "noise", "count", "direction", "accepted"):
+        for key in self._SCALARS:
             out[self.PREFIX + key] = np.full(num, float(getattr(self, key)))
-        out[self.PREFIX + "anchor"] = self.anchor.astype(np.float64)
-        out[self.PREFIX + "base"] = self.base.astype(np.float64)
+        for key in self._VECTORS:
+            out[self.PREFIX + key] = np.asarray(getattr(self, key), np.float64)
         return out
 
-    def _probe(self, sizes, direction, lo, hi) -> Optional[np.ndarray]:
+    def _neighbour(self, sizes, direction, lo, hi) -> Optional[np.ndarray]:
         """The neighbouring split in `direction`, or None if the bounds leave none."""
         total = int(np.sum(sizes))
         weights = np.maximum(sizes.astype(np.float64), 0.5)
@@ -653,10 +659,17 @@ class _Search:
                 return new
         return None
 
+    def _try(self, stats, sizes, direction, lo, hi, done_reason, **changes):
+        """Moves to the neighbour of `sizes` in `direction`, or holds `sizes` when none."""
+        nxt = self._neighbour(sizes, direction, lo, hi)
+        if nxt is None:
+            return sizes, self._stats(stats, phase=self.DONE, **changes), done_reason
+        stats = self._stats(stats, phase=self.PROBE, probe=nxt, direction=direction, **changes)
+        return nxt, stats, None
+
     def step(self, ctrl, state, target, hi, stats, reason, sizes, step_time):
-        """(sizes, stats, reason) after one window, given the model's `target`."""
+        """(sizes, stats, reason) after one window, given the rule's `target`."""
         lo, current = state.min_sizes, state.sizes
-        ms = 1e3 * step_time
         if self.phase == self.IDLE:
             if not np.array_equal(target, current):
                 return target, self._stats(stats, anchor=target, base=target), reason
@@ -668,47 +681,54 @@ class _Search:
             return target, stats, f"{reason}; step-time search starts over"
         if not np.allclose(sizes, current, rtol=0, atol=1e-6):
             return current, self._stats(stats), reason  # a window not at the split in force
+        now, was = _fmt_ms(1e3 * step_time), _fmt_ms(1e3 * self.base_time)
         if self.phase in (self.IDLE, self.BASE):
             if self.count == 0:
                 stats = self._stats(stats, phase=self.BASE, base=current, base_time=step_time,
                                     count=1, accepted=0, direction=1)
-                return current, stats, f"{reason}; step-time search: {_fmt_ms(ms)} at " \
-                    f"{current.tolist()}"
+                return current, stats, f"{reason}; step-time search: {now} at {current.tolist()}"
             base_time = 0.5 * (self.base_time + step_time)
             noise = abs(step_time - self.base_time) / (step_time + self.base_time)
-            probe = self._probe(current, 1, lo, hi)
-            if probe is None:
-                stats = self._stats(stats, phase=self.DONE, base_time=base_time, noise=noise,
-                                    count=2)
-                return current, stats, f"{reason}; step-time search: no neighbouring split"
-            stats = self._stats(stats, phase=self.PROBE, base_time=base_time, noise=noise,
-                                count=2)
-            return probe, stats, (f"step-time search: trying {probe.tolist()} against "
-                                  f"{current.tolist()} at {_fmt_ms(1e3 * base_time)}")
+            nxt, stats, done = self._try(stats, current, 1, lo, hi, "", base_time=base_time,
+                                         noise=noise, count=2)
+            if done is not None:
+                return nxt, stats, f"{reason}; step-time search: no neighbouring split"
+            return nxt, stats, (f"step-time search: trying {nxt.tolist()} against "
+                                f"{current.tolist()} at {_fmt_ms(1e3 * base_time)}")
         if self.phase == self.DONE:
             return self.base, self._stats(stats), reason
-        # PROBE: this window measured the split being tried.
         margin = max(ctrl.dead_band, self.noise)
-        was = _fmt_ms(1e3 * self.base_time)
-        if step_time < self.base_time * (1.0 - margin):
-            nxt = self._probe(current, self.direction, lo, hi)
-            stats = self._stats(stats, base=current, base_time=step_time,
-                                accepted=self.accepted + 1,
-                                phase=self.PROBE if nxt is not None else self.DONE)
-            if nxt is None:
-                return current, stats, (f"step-time search: {current.tolist()} kept, "
-                                        f"{_fmt_ms(ms)} < {was}")
-            return nxt, stats, (f"step-time search: {current.tolist()} faster ({_fmt_ms(ms)} "
-                                f"< {was}); trying {nxt.tolist()}")
+        if self.phase == self.PROBE:
+            if step_time < self.base_time * (1.0 - margin):
+                kept = f"step-time search: {current.tolist()} faster ({now} < {was})"
+                nxt, stats, done = self._try(stats, current, self.direction, lo, hi,
+                                             f"{kept}, kept", base=current,
+                                             base_time=step_time, accepted=self.accepted + 1)
+                return nxt, stats, done or f"{kept}; trying {nxt.tolist()}"
+            # Not faster than the base as measured before: measure the base again.
+            stats = self._stats(stats, phase=self.RECHECK, probe_time=step_time)
+            return self.base, stats, (f"step-time search: {current.tolist()} not faster "
+                                      f"({now} vs {was}); measuring {self.base.tolist()} again")
+        # RECHECK: this window measured the base again, after a try that was not faster.
+        tried = _fmt_ms(1e3 * self.probe_time)
+        if self.probe_time < step_time * (1.0 - margin):
+            kept = (f"step-time search: {self.probe.tolist()} faster than {current.tolist()} "
+                    f"measured again ({tried} < {now})")
+            nxt, stats, done = self._try(stats, self.probe, self.direction, lo, hi,
+                                         f"{kept}, kept", base=self.probe,
+                                         base_time=self.probe_time,
+                                         accepted=self.accepted + 1)
+            return (self.probe, stats, done) if done else (nxt, stats, f"{kept}; trying "
+                                                                       f"{nxt.tolist()}")
+        base_time = 0.5 * (self.base_time + step_time)
         if self.accepted == 0 and self.direction == 1:
-            nxt = self._probe(self.base, -1, lo, hi)
-            if nxt is not None:
-                return nxt, self._stats(stats, direction=-1), (
-                    f"step-time search: {current.tolist()} not faster ({_fmt_ms(ms)} vs "
-                    f"{was}); trying {nxt.tolist()}")
-        stats = self._stats(stats, phase=self.DONE)
-        return self.base, stats, (f"step-time search done: {self.base.tolist()} at {was} "
-                                  f"({current.tolist()}: {_fmt_ms(ms)})")
+            nxt, stats, done = self._try(stats, current, -1, lo, hi, "", base_time=base_time)
+            if done is None:
+                return nxt, stats, (f"step-time search: {current.tolist()} at {now} again; "
+                                    f"trying {nxt.tolist()}")
+        stats = self._stats(stats, phase=self.DONE, base_time=base_time)
+        return current, stats, (f"step-time search done: {current.tolist()} at "
+                                f"{_fmt_ms(1e3 * base_time)} ({self.probe.tolist()}: {tried})")
 
 
 def _fmt_ms(ms: float) -> str:
