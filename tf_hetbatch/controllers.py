@@ -211,11 +211,13 @@ class _Controller:
                 window, the same value on every worker (`DynamicBatching` passes it), or None.
                 With it and `step_time_search`, once the rule holds a split (its anchor), a
                 search measures that split's step time over two windows, then tries the
-                neighbouring split b_k ~ b_k ** 1.15 (more to the larger batches), keeps it
-                while each try is faster by more than the dead-band and the measured noise,
-                and tries b_k ~ b_k ** 0.85 once if the first try was not faster; it holds
-                the best split until the rule moves away from its anchor, which starts a
-                new search. Each try costs two windows.
+                neighbouring split b_k ~ b_k ** 1.15 (more to the larger batches) and keeps
+                each try that is faster by more than the dead-band and the measured noise,
+                also when it proves faster than the base measured again right after it; if
+                the first try was not faster it tries b_k ~ b_k ** 0.85 once. It holds the
+                best split until the rule, judging from its anchor, predicts a gain of 3x
+                its dead-band (a change of conditions), which starts a new search. Each try
+                costs two windows, each check of the base two more.
 
         Returns:
             `(new_sizes, new_state)`: a tuple of K python ints summing to the global batch,
