@@ -6,9 +6,13 @@ one cluster run per H, `--repeats` interleaved rounds of three one-epoch phases:
 `even` (stock), `static` (cap-proportional: what a FLOPs split gives when capacity is known)
 and `dynamic` (`DynamicBatching(initial=--dynamic-initial)`, default "flops": the library's
 default, which reads each worker's CPU cap; "uniform" starts from the even split). Each phase is
-preceded by SWITCH_MARGIN+1 unmeasured steps on its starting split. Reported: the steady step
-time (median of the phase's second half) and the time per epoch (the phase's wall time,
-convergence included), normalised to the even run at the first H (H=1 by default), and speed-ups vs even in the same run.
+preceded by SWITCH_MARGIN+1 unmeasured steps on its starting split. The dynamic phase runs
+`--dynamic-epochs` epochs (default 3) and its last epoch is reported: its steady state after
+the static split landed and the controller and its step-time search settled (its first epoch,
+all of that included, is reported beside). Reported: the steady step time (median of the
+even/static phase's second half, of the dynamic run's last epoch) and the time per epoch,
+normalised to the even run at the first H (H=1 by default), and speed-ups vs even in the same
+run. The CNN has 32 filters by default: with 16, a step on this fast CPU is mostly fixed cost.
 The ideal step at each H: the equal-finish split under per-worker time models alpha + beta b
 fitted to that run's even and static phases, plus the measured remainder (all-reduce etc.).
 `--model linear` gives the communication-bound case (expect small gains).
@@ -52,7 +56,8 @@ def proportional(batch, caps):
 
 def sweep_plan(args, caps, tiny):
     epoch = args.steps if tiny else args.epoch_steps
-    dyn_epoch = max(epoch, 16) if tiny else epoch
+    # The dynamic policy runs `--dynamic-epochs` epochs: its steady state is the last one.
+    dyn_epoch = max(epoch, 16) if tiny else epoch * args.dynamic_epochs
     static = proportional(args.batch, caps)
     phases = [{"name": "warmup", "kind": "warmup", "sizes": "even", "steps": 3 if tiny else 8,
                "skip": 0}]
@@ -98,6 +103,13 @@ def run_heterogeneity(args, tiny, workdir):
                 row[f"{policy}_sizes"] = p["sizes"]
                 if policy == "dynamic":
                     row["dynamic_adjustments"] = p["adjustments"]
+                    row["dynamic_search_tries"] = p.get("search_tries", 0)
+                    secs = np.asarray(p["step_seconds"])
+                    epoch = min(len(secs), args.steps if tiny else args.epoch_steps)
+                    if len(secs) > epoch:  # several epochs: the first, then the last
+                        row["dynamic_first_epoch_s"] = float(secs[:epoch].sum())
+                        row["dynamic_epoch_s"] = float(secs[-epoch:].sum())
+                        row["dynamic_step_ms"] = float(np.median(secs[-epoch:]) * 1e3)
             rounds.append(row)
         runs.append({"h": h, "caps": caps, "cap_method": result["cap_method"], "rounds": rounds,
                      "phases": [{k: v for k, v in p.items() if k != "stamps"}
@@ -160,6 +172,17 @@ def heterogeneity_lines(res, args, when):
                        "epoch static", "epoch dyn", "epoch speed-up static",
                        "epoch speed-up dyn", "naive ceiling", "step static/ideal",
                        "step dyn/ideal", "dyn split (last round)"], rows)
+    first = [(run["h"], [r["dynamic_first_epoch_s"] / r["even_epoch_s"] for r in run["rounds"]])
+             for run in res["runs"] if "dynamic_first_epoch_s" in run["rounds"][0]]
+    if first:
+        lines += ["", f"Dynamic runs {args.dynamic_epochs} epochs from the even split; its "
+                      f"columns are the last epoch (steady state). Its first epoch (static split "
+                      f"landing, controller and search at work) / even epoch: " + "; ".join(
+                          f"H={h:g} {bc.fmt_stats(bc.stats(v), digits=2)}" for h, v in first)
+                  + ". Adjustments (rule / search moves, per round): " + "; ".join(
+                      f"H={run['h']:g} " + ", ".join(
+                          f"{r['dynamic_adjustments']}/{r['dynamic_search_tries']}"
+                          for r in run["rounds"]) for run in res["runs"]) + "."]
     worst = max(run["summary"]["dynamic"]["over_ideal"]["median"] for run in res["runs"])
     lines += ["", f"Target: dynamic step within 10% of the ideal at every H: worst median "
                   f"dynamic/ideal {worst:.3f} ({'met' if worst <= 1.10 else 'MISSED'})."]
@@ -299,7 +322,7 @@ def plot(res, args, png):
         ax1.set(xlabel="heterogeneity H = max cap / min cap",
                 ylabel="steady step time / H=1 even", title=f"{args.model}: step time")
         ax2.set(xlabel="heterogeneity H = max cap / min cap", ylabel="time per epoch / H=1 even",
-                title=f"{args.model}: time per epoch (convergence included)")
+                title=f"{args.model}: time per epoch (dynamic: its last)")
         for ax in (ax1, ax2):
             ax.legend()
             ax.grid(alpha=0.3)
@@ -319,11 +342,14 @@ def main(argv=None):
                              "tiny 1)")
     parser.add_argument("--model", default="cnn", choices=["cnn", "small_cnn", "linear"])
     parser.add_argument("--filters", type=int, default=None,
-                        help="conv filters of --model cnn (default 16; tiny mode 4)")
+                        help="conv filters of --model cnn (default 32; tiny mode 4)")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--dynamic-initial", default="flops",
                         choices=["flops", "uniform", "probe"],
                         help="DynamicBatching(initial=...) of the dynamic runs (default flops)")
+    parser.add_argument("--dynamic-epochs", type=int, default=3,
+                        help="epochs of each dynamic run from the even split; the last one is "
+                             "reported as its steady state (default 3; tiny mode 1)")
     parser.add_argument("--hs", default=None, help="heterogeneities (default 1,2,3,4,5,6)")
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--total-cap", type=float, default=1.5,
@@ -343,7 +369,7 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args(argv)
     tiny = args.steps is not None
-    args.filters = args.filters or (4 if tiny else 16)
+    args.filters = args.filters or (4 if tiny else 32)
     args.repeats = args.repeats or (1 if tiny or args.scenario == "interference" else 2)
     args.hs = args.hs or ("3" if tiny else "1,2,3,4,5,6")
     if args.interference_steps is None:
