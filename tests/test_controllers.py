@@ -370,3 +370,17 @@ def test_bad_step_time_is_rejected_with_the_value(step_time):
     ctrl = ModelBasedController()
     with pytest.raises(ValueError, match=r"step_time=.*" + str(step_time)[:3]):
         ctrl.update(ctrl.init([8, 8]), [8, 8], [0.1, 0.1], step_time=step_time)
+
+
+def test_a_held_split_whose_step_time_moves_for_good_starts_a_new_search():
+    ctrl = ModelBasedController()
+    state, _ = _run_search(ctrl, ctrl.init([64, 64]), _valley_step_time, 30)
+    assert tuple(state.sizes) == (113, 15)
+    # One window 40% faster (a spike): held.
+    spike, history = _run_search(ctrl, state, lambda s: 0.6 * _valley_step_time(s), 1)
+    held, more = _run_search(ctrl, spike, _valley_step_time, 5)
+    assert not any("starts over" in r for _, r in history + more), history + more
+    assert tuple(held.sizes) == (113, 15)
+    # Two windows running: the search starts over from the split in force.
+    _, history = _run_search(ctrl, held, lambda s: 0.6 * _valley_step_time(s), 2)
+    assert "starts over" in history[-1][1] and tuple(history[-1][0]) == (113, 15), history

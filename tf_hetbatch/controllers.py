@@ -216,8 +216,9 @@ class _Controller:
                 also when it proves faster than the base measured again right after it; if
                 the first try was not faster it tries b_k ~ b_k ** 0.85 once. It holds the
                 best split until the rule, judging from its anchor, predicts a gain of 3x
-                its dead-band (a change of conditions), which starts a new search. Each try
-                costs two windows, each check of the base two more.
+                its dead-band, or the split's step time moves by as much for two windows
+                (a change of conditions), which starts a new search. Each try costs two
+                windows, each check of the base two more.
 
         Returns:
             `(new_sizes, new_state)`: a tuple of K python ints summing to the global batch,
@@ -604,9 +605,10 @@ class _Search:
     machine may have changed meanwhile: one window back at the base); if it was faster after
     all, it becomes the base; otherwise the other direction (s = -0.15, towards the even
     split) is tried once, if no try was kept yet. Then the best split is held until the rule
-    moves away from its anchor by a predicted gain of 3x its dead-band (a change of
-    conditions), which starts a new search. Each try or check costs two windows (the one
-    straddling the change is not measured).
+    moves away from its anchor by a predicted gain of 3x its dead-band, or the held split's
+    step time differs from the search's figure by as much in two windows running (a change
+    of conditions: a worker slowed down or recovered), which starts a new search. Each try
+    or check costs two windows (the one straddling the change is not measured).
 
     State lives in `ControllerState.stats` under `search_*` (per-replica arrays; scalars are
     repeated per replica), so it survives `to_dict` / `from_dict`.
@@ -616,11 +618,13 @@ class _Search:
     IDLE, BASE, PROBE, RECHECK, DONE = 0, 1, 2, 3, 4
     EXPONENT = 0.15
     RULE_DEAD_BAND_FACTOR = 3.0
-    _SCALARS = ("phase", "base_time", "probe_time", "noise", "count", "direction", "accepted")
+    DRIFT_WINDOWS = 2
+    _SCALARS = ("phase", "base_time", "probe_time", "noise", "count", "direction", "accepted",
+                "drift")
     _VECTORS = ("anchor", "base", "probe")
 
     def __init__(self, sizes, **values):
-        self.phase, self.count, self.direction, self.accepted = self.IDLE, 0, 1, 0
+        self.phase, self.count, self.direction, self.accepted, self.drift = self.IDLE, 0, 1, 0, 0
         self.base_time = self.probe_time = self.noise = 0.0
         self.anchor = self.base = self.probe = np.asarray(sizes, np.int64)
         for key, value in values.items():
@@ -633,7 +637,7 @@ class _Search:
         if not all(k in st and st[k].size == num for k in keys):
             return cls(state.sizes)
         values = {k: float(st[cls.PREFIX + k][0]) for k in cls._SCALARS}
-        for k in ("phase", "count", "direction", "accepted"):
+        for k in ("phase", "count", "direction", "accepted", "drift"):
             values[k] = int(values[k])
         values.update({k: np.rint(st[cls.PREFIX + k]).astype(np.int64) for k in cls._VECTORS})
         return cls(state.sizes, **values)
@@ -698,7 +702,18 @@ class _Search:
             return nxt, stats, (f"step-time search: trying {nxt.tolist()} against "
                                 f"{current.tolist()} at {_fmt_ms(1e3 * base_time)}")
         if self.phase == self.DONE:
-            return self.base, self._stats(stats), reason
+            # The held split's step time moved for good (a worker slowed or recovered): the
+            # rule judges again with its own dead-band, and a new search follows.
+            change = step_time / self.base_time - 1.0
+            limit = max(self.RULE_DEAD_BAND_FACTOR * ctrl.dead_band, 3.0 * self.noise)
+            drift = int(np.sign(change)) if abs(change) > limit else 0
+            drift = self.drift + drift if drift and np.sign(self.drift) in (0, drift) else drift
+            if abs(drift) >= self.DRIFT_WINDOWS:
+                stats = self._stats(stats, phase=self.IDLE, anchor=current, base=current,
+                                    count=0, accepted=0, direction=1, drift=0)
+                return current, stats, (f"{reason}; step-time search starts over: "
+                                        f"{current.tolist()} now takes {now} ({was} before)")
+            return self.base, self._stats(stats, drift=drift), reason
         margin = max(ctrl.dead_band, self.noise)
         if self.phase == self.PROBE:
             if step_time < self.base_time * (1.0 - margin):
