@@ -384,3 +384,16 @@ def test_a_held_split_whose_step_time_moves_for_good_starts_a_new_search():
     # Two windows running: the search starts over from the split in force.
     _, history = _run_search(ctrl, held, lambda s: 0.6 * _valley_step_time(s), 2)
     assert "starts over" in history[-1][1] and tuple(history[-1][0]) == (113, 15), history
+
+
+def test_a_bound_lowered_below_a_try_ends_the_search_at_its_best_split():
+    """The rule caps a replica whose throughput fell after growth: the search keeps its base."""
+    ctrl = ModelBasedController()
+    state, _ = _run_search(ctrl, ctrl.init([64, 64]), _valley_step_time, 4)
+    assert tuple(state.sizes) == (113, 15) and state.stats["search_phase"][0] == 2  # trying
+    # Replica 0 at 113 samples now takes far longer than before: b_max[0] drops to 109.
+    slow = lambda s: _affine_times(s) * np.array([1.6, 1.0])  # noqa: E731
+    new, state = ctrl.update(state, state.sizes.astype(float), slow(state.sizes),
+                             step_time=_valley_step_time(state.sizes))
+    assert state.max_sizes[0] == 109 and new == (109, 19), state.reason
+    assert "out of bounds" in state.reason and state.stats["search_phase"][0] == 4

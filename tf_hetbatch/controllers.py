@@ -680,11 +680,14 @@ class _Search:
             if not np.array_equal(target, current):
                 return target, self._stats(stats, anchor=target, base=target), reason
             self.anchor = current.copy()
-        elif not np.array_equal(target, self.anchor) or np.any(current > hi) or np.any(
-                self.base > hi):
+        elif not np.array_equal(target, self.anchor) or np.any(self.base > hi):
             stats = self._stats(stats, phase=self.IDLE, anchor=target, base=target, count=0,
                                 accepted=0, direction=1)
             return target, stats, f"{reason}; step-time search starts over"
+        elif np.any(current > hi):  # the rule lowered a bound below the split being tried
+            stats = self._stats(stats, phase=self.DONE, drift=0)
+            return self.base, stats, (f"{reason}; step-time search done: {self.base.tolist()} "
+                                      f"({current.tolist()} is out of bounds)")
         if not np.allclose(sizes, current, rtol=0, atol=1e-6):
             return current, self._stats(stats), reason  # a window not at the split in force
         now, was = _fmt_ms(1e3 * step_time), _fmt_ms(1e3 * self.base_time)
