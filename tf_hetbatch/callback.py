@@ -445,7 +445,9 @@ class DynamicBatching(keras.callbacks.Callback):
         self._window_wall = 0.0
         self._num_windows += 1
         sizes = np.nan_to_num(times.samples_per_step, nan=0.0)
-        secs = np.nan_to_num(times.time_per_step, nan=0.0)
+        # A replica whose compute is shorter than the clock's resolution can read 0 (or, its
+        # start stamp run late, slightly below): "not measured" for the controller and dashboards.
+        secs = np.maximum(np.nan_to_num(times.time_per_step, nan=0.0), 0.0)
         first_after_change, self._first_after_change = self._first_after_change, False
         settled = self._sizes is not None and np.allclose(sizes, self._sizes, rtol=0, atol=1e-9)
         used = False
