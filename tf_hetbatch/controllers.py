@@ -686,8 +686,8 @@ class _Search:
             return target, stats, f"{reason}; step-time search starts over"
         elif np.any(current > hi):  # the rule lowered a bound below the split being tried
             stats = self._stats(stats, phase=self.DONE, drift=0)
-            return self.base, stats, (f"{reason}; step-time search done: {self.base.tolist()} "
-                                      f"({current.tolist()} is out of bounds)")
+            return self.base, stats, (f"step-time search done: {self.base.tolist()} "
+                                      f"({current.tolist()} is out of bounds); {reason}")
         if not np.allclose(sizes, current, rtol=0, atol=1e-6):
             return current, self._stats(stats), reason  # a window not at the split in force
         now, was = _fmt_ms(1e3 * step_time), _fmt_ms(1e3 * self.base_time)
