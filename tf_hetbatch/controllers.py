@@ -619,12 +619,11 @@ class _Search:
     EXPONENT = 0.15
     RULE_DEAD_BAND_FACTOR = 3.0
     DRIFT_WINDOWS = 2
-    _SCALARS = ("phase", "base_time", "probe_time", "noise", "count", "direction", "accepted",
-                "drift")
+    _SCALARS = ("phase", "base_time", "probe_time", "noise", "direction", "accepted", "drift")
     _VECTORS = ("anchor", "base", "probe")
 
     def __init__(self, sizes, **values):
-        self.phase, self.count, self.direction, self.accepted, self.drift = self.IDLE, 0, 1, 0, 0
+        self.phase, self.direction, self.accepted, self.drift = self.IDLE, 1, 0, 0
         self.base_time = self.probe_time = self.noise = 0.0
         self.anchor = self.base = self.probe = np.asarray(sizes, np.int64)
         for key, value in values.items():
@@ -637,7 +636,7 @@ class _Search:
         if not all(k in st and st[k].size == num for k in keys):
             return cls(state.sizes)
         values = {k: float(st[cls.PREFIX + k][0]) for k in cls._SCALARS}
-        for k in ("phase", "count", "direction", "accepted", "drift"):
+        for k in ("phase", "direction", "accepted", "drift"):
             values[k] = int(values[k])
         values.update({k: np.rint(st[cls.PREFIX + k]).astype(np.int64) for k in cls._VECTORS})
         return cls(state.sizes, **values)
@@ -681,8 +680,7 @@ class _Search:
                 return target, self._stats(stats, anchor=target, base=target), reason
             self.anchor = current.copy()
         elif not np.array_equal(target, self.anchor) or np.any(self.base > hi):
-            stats = self._stats(stats, phase=self.IDLE, anchor=target, base=target, count=0,
-                                accepted=0, direction=1)
+            stats = self._stats(stats, phase=self.IDLE, anchor=target, base=target)
             return target, stats, f"{reason}; step-time search starts over"
         elif np.any(current > hi):  # the rule lowered a bound below the split being tried
             stats = self._stats(stats, phase=self.DONE, drift=0)
@@ -692,14 +690,14 @@ class _Search:
             return current, self._stats(stats), reason  # a window not at the split in force
         now, was = _fmt_ms(1e3 * step_time), _fmt_ms(1e3 * self.base_time)
         if self.phase in (self.IDLE, self.BASE):
-            if self.count == 0:
+            if self.phase == self.IDLE:  # the first of the base's two windows
                 stats = self._stats(stats, phase=self.BASE, base=current, base_time=step_time,
-                                    count=1, accepted=0, direction=1)
+                                    accepted=0, direction=1, drift=0)
                 return current, stats, f"{reason}; step-time search: {now} at {current.tolist()}"
             base_time = 0.5 * (self.base_time + step_time)
             noise = abs(step_time - self.base_time) / (step_time + self.base_time)
             nxt, stats, done = self._try(stats, current, 1, lo, hi, "", base_time=base_time,
-                                         noise=noise, count=2)
+                                         noise=noise)
             if done is not None:
                 return nxt, stats, f"{reason}; step-time search: no neighbouring split"
             return nxt, stats, (f"step-time search: trying {nxt.tolist()} against "
@@ -712,8 +710,7 @@ class _Search:
             drift = int(np.sign(change)) if abs(change) > limit else 0
             drift = self.drift + drift if drift and np.sign(self.drift) in (0, drift) else drift
             if abs(drift) >= self.DRIFT_WINDOWS:
-                stats = self._stats(stats, phase=self.IDLE, anchor=current, base=current,
-                                    count=0, accepted=0, direction=1, drift=0)
+                stats = self._stats(stats, phase=self.IDLE, anchor=current, base=current)
                 return current, stats, (f"{reason}; step-time search starts over: "
                                         f"{current.tolist()} now takes {now} ({was} before)")
             return self.base, self._stats(stats, drift=drift), reason
