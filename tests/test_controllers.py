@@ -118,6 +118,21 @@ def test_two_times_slowdown_mid_run_is_rebalanced_within_three_adjustments(affin
     assert result.steady_ratio() < 1.05
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_recovery_from_a_slowdown_that_left_a_replica_a_few_samples_is_rebalanced(seed):
+    # Fixed costs dominate (alpha = 33 samples' compute): slowed 3x, replica 0 goes down to a
+    # few samples, whose time is nearly all fixed cost, so its slope cannot be measured
+    # there after it recovers; the rule must still see that it is as fast as the others.
+    cluster = ClusterModel([0.036] * 3, [0.0011] * 3, noise=0.05,
+                           slowdowns=(Slowdown(0, 100, 200, 3.0),))
+    result = simulate(ModelBasedController(), cluster, steps=350,
+                      initial_sizes=[43, 43, 42], seed=seed)
+    assert result.sizes[199][0] <= 5  # the slowdown was rebalanced down to a few samples
+    needed = result.adjustments_to_converge(tol=0.05, after=200)
+    assert needed is not None and 1 <= needed <= 3, result.sizes[200:].tolist()
+    assert result.steady_ratio() < 1.05
+
+
 @pytest.mark.parametrize("cls", CONTROLLERS)
 def test_state_round_trip_through_json_gives_identical_decisions(cls):
     rng = np.random.default_rng(0)
@@ -188,6 +203,26 @@ def test_unidentified_slope_falls_back_to_proportional_split():
     assert np.all(np.abs(np.array(new) - proportional) <= 1) and sum(new) == 90
     _, _, has_slope = ctrl.fit(state)
     assert not has_slope.any()
+
+
+def test_a_replica_at_a_few_samples_borrows_the_shape_of_the_identified_models():
+    # Three replicas of equal speed, t = 36 ms + 1.1 ms per sample. Replica 0 only ever runs
+    # 4 samples (its slope cannot be identified); replicas 1 and 2 run several sizes.
+    ctrl = ModelBasedController(dead_band=0.0)
+    state = ctrl.init([4, 62, 62])
+    sizes = [[4, 62, 62], [4, 56, 68], [4, 68, 56], [4, 60, 64]]
+    for s in sizes:
+        t = [0.036 + 0.0011 * b for b in s]
+        state = ctrl.update(state, s, t)[1].replace(sizes=np.asarray(s, np.int64))
+    alpha, beta, has_slope = ctrl.fit(state)
+    assert has_slope.tolist() == [False, True, True]
+    # The others' alpha / beta carries over: replica 0 is judged as fast as they are (a
+    # borrowed fixed-cost fraction alpha / t, taken at their 60 samples, would make its 4
+    # samples nearly all compute and it ~6x slower).
+    np.testing.assert_allclose(beta, 0.0011, rtol=1e-6)
+    np.testing.assert_allclose(alpha, 0.036, rtol=1e-6)
+    new, _ = ctrl.update(state, sizes[-1], [0.036 + 0.0011 * b for b in sizes[-1]])
+    assert np.abs(np.array(new) - 128 / 3).max() <= 1
 
 
 def test_affine_model_is_recovered_exactly_from_two_distinct_sizes():

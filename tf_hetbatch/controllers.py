@@ -385,8 +385,8 @@ class ModelBasedController(_Controller):
 
     - Unidentified slope (all sizes seen so far nearly equal, or a slope not significant
       against the noise): alpha = 0 is assumed, i.e. the proportional rule, while no
-      replica is identified; afterwards the median fixed-cost fraction alpha / t of the
-      identified replicas is borrowed. Once a slope has been
+      replica is identified; afterwards the identified replicas' median alpha / beta is
+      borrowed (the same model up to speed). Once a slope has been
       identified it is remembered: when the window of recent sizes collapses (equilibrium),
       the last identified model is rescaled through the current mean point instead.
     - Outliers: a window whose time lies outside the model's prediction (for an
@@ -394,7 +394,9 @@ class ModelBasedController(_Controller):
       than `outlier_threshold` (relative, or 4x the replica's running noise level if
       larger) is held back and moves nothing.
     - Regime change: `confirm_updates` consecutive held-back windows with the same sign
-      replace that replica's model by the held-back data (accepted within a few updates).
+      replace that replica's data by the held-back windows (accepted within a few updates);
+      its last identified model, rescaled through them, stands in until they identify a
+      slope (a change of speed, the common case, is then right at once).
     - Dead-band: no change when the predicted step-time gain is below `dead_band`.
 
     Args:
@@ -485,14 +487,17 @@ class ModelBasedController(_Controller):
         mem_t = mem_a + mem_b * mb
         remembered = has & ~identified & (mem_b > 0) & (mem_t > 0)
         scale = np.where(remembered, mt / np.where(mem_t > 0, mem_t, 1.0), 0.0)
-        # Otherwise borrow the median fixed-cost fraction of the identified replicas (0, the
-        # proportional rule, when none is identified yet).
-        fixed = identified & (mt > 0)
-        frac = float(np.median(alpha[fixed] / mt[fixed])) if fixed.any() else 0.0
-        frac = min(max(frac, 0.0), 0.95)
-        prop = np.where(mb > 0, (1.0 - frac) * mt / np.where(mb > 0, mb, 1.0), 0.0)
+        # Otherwise borrow the shape of the identified replicas' models: the median of
+        # alpha / beta, the batch size whose compute costs as much as the fixed part (0, the
+        # proportional rule, when none is identified yet). A replica that differs only in
+        # speed (a CPU share, a slower device of the same kind) has the same alpha / beta, at
+        # any batch size: a fixed-cost fraction alpha / t would not carry over to a replica
+        # at a few samples, whose time is nearly all fixed cost.
+        fixed = identified & (beta > 0)
+        shape = float(np.median(alpha[fixed] / beta[fixed])) if fixed.any() else 0.0
+        prop = np.where(mb > 0, mt / np.where(mb > 0, mb + shape, 1.0), 0.0)
         alpha = np.where(identified, alpha, np.where(
-            remembered, scale * mem_a, np.where(mb > 0, frac * mt, mt)))
+            remembered, scale * mem_a, np.where(mb > 0, shape * prop, mt)))
         beta = np.where(identified, beta, np.where(remembered, scale * mem_b, prop))
         known = beta > 0
         fill = float(np.median(beta[known])) if known.any() else 1.0
@@ -539,8 +544,11 @@ class ModelBasedController(_Controller):
         for k in self._SUMS:
             st["p" + k] = np.where(regime, 0.0, st["p" + k])
         st["pending"] = np.where(regime, 0.0, st["pending"])
-        st["alpha_m"] = np.where(regime, 0.0, st["alpha_m"])  # the old slope is void too
-        st["beta_m"] = np.where(regime, 0.0, st["beta_m"])
+        # The last identified model (alpha_m, beta_m) is kept: until the new data identify a
+        # slope, it is rescaled through them, i.e. the change is taken as a change of speed.
+        # That is what a CPU share, a noisy neighbour or a clock change does, and it is the
+        # only guess left when the replica now runs a few samples whose time is nearly all
+        # fixed cost (a recovered replica: its slope cannot be measured there).
         x_now = np.where(valid & (sizes > 0), sizes / t, 0.0)
         hi, note = self._lower_max(state, sizes, x_now, valid & (sizes > 0))
         st["prev_size"] = np.where(valid, sizes, st["prev_size"])
