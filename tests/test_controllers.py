@@ -388,6 +388,71 @@ def test_step_time_search_starts_over_when_conditions_change():
     assert state.sizes[1] < 15 and abs(t[0] - t[1]) / t.max() < 0.1, history
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_slowdown_and_its_recovery_are_rebalanced_with_the_step_time_search_on(seed):
+    # As in the multi-worker interference benchmark: fixed costs dominate, replica 0 runs 3x
+    # slower for windows [10, 40 + seed), 3% noise on every measurement. A change the rule
+    # proves (a regime change) must not be held off by a search result nor a lowered bound.
+    rng = np.random.default_rng(seed)
+    ctrl = ModelBasedController()
+    state = ctrl.init([43, 43, 42])
+    recover = 40 + seed
+    steps = []
+    for window in range(70):
+        slow = np.array([3.0 if 10 <= window < recover else 1.0, 1.0, 1.0])
+        times = slow * (0.036 + 0.0011 * state.sizes)
+        step_time = float(times.max()) + 0.01
+        steps.append(step_time)
+        _, state = ctrl.update(state, state.sizes.astype(float),
+                               times * rng.uniform(0.97, 1.03, 3),
+                               step_time=step_time * rng.uniform(0.97, 1.03))
+        if window == recover - 1:
+            assert state.sizes[0] <= 10, state.reason  # the slowdown was rebalanced
+    even = 0.036 + 0.0011 * 43 + 0.01
+    assert max(steps[recover + 3:]) <= 1.05 * even, (steps[recover:], state.reason)
+
+
+def test_a_regime_change_the_rule_proves_starts_the_search_over_at_its_own_dead_band():
+    ctrl = ModelBasedController()
+    state, history = _run_search(ctrl, ctrl.init([64, 64]), _valley_step_time, 30)
+    assert tuple(state.sizes) == (113, 15) and "< 15%" in state.reason, history
+    reasons = []
+    for _ in range(3):  # replica 1 now 30% faster: two windows off its model prove it
+        times = _affine_times(state.sizes) * np.array([1.0, 0.7])
+        _, state = ctrl.update(state, state.sizes.astype(float), times,
+                               step_time=_valley_step_time(state.sizes))
+        reasons.append(state.reason)
+    assert "regime change" in reasons[1] and "step-time search starts over" in reasons[1]
+    # The rule judged from where it settled with its own 5% dead-band, not the 15% it
+    # keeps while a search result holds, and a new search measures the split it chose.
+    assert "< 5%" in reasons[1] and "step-time search: " in reasons[2], reasons
+
+
+def test_a_search_at_a_bound_tries_the_other_direction():
+    ctrl = ModelBasedController()
+    state = ctrl.init([1, 64, 63])  # replica 0 at its lower bound: no split further out
+    for _ in range(2):
+        sizes, state = ctrl.update(state, state.sizes.astype(float), [0.1, 0.1, 0.1],
+                                   step_time=0.11)
+    assert sizes[0] > 1 and sum(sizes) == 128, state.reason
+    assert "trying" in state.reason
+
+
+def test_a_regime_change_gives_a_lowered_b_max_back():
+    ctrl = ModelBasedController()
+    state = ctrl.init([50, 50])
+    new, state = ctrl.update(state, [50, 50], [0.5, 1.0])  # replica 0 grows ...
+    new, state = ctrl.update(state, list(map(float, new)), [new[0] / 50.0, new[1] / 50.0])
+    assert state.max_sizes.tolist() == [50, 100]  # ... and its throughput collapses
+    for _ in range(2):  # then it runs 4x faster than its model says, twice: a new regime
+        sizes = state.sizes
+        _, state = ctrl.update(state, sizes.astype(float), [sizes[0] / 400.0, sizes[1] / 100.0])
+    assert state.max_sizes.tolist() == [100, 100] and "b_max restored" in state.reason
+    assert state.sizes[0] > 50  # the bound from the old conditions no longer holds it
+    restored = ModelBasedController.state_from_dict(json.loads(json.dumps(state.to_dict())))
+    assert restored.stats["configured_max"].tolist() == [100, 100]
+
+
 def test_step_time_search_state_round_trips_mid_search():
     ctrl = ModelBasedController()
     state, _ = _run_search(ctrl, ctrl.init([64, 64]), _valley_step_time, 4)

@@ -196,7 +196,8 @@ class _Controller:
             fixed = _split.split_proportionally(total, np.maximum(sizes, 1), lo, hi)
             logger.info("Initial sizes %s violate the bounds; using %s.", sizes.tolist(), fixed)
             sizes = np.array(fixed, np.int64)
-        return ControllerState(total, sizes, lo, hi, stats=self._init_stats(num))
+        stats = {**self._init_stats(num), "configured_max": hi.astype(np.float64)}
+        return ControllerState(total, sizes, lo, hi, stats=stats)
 
     def update(self, state: ControllerState, sizes: ArrayLike, times: ArrayLike,
                step_time: Optional[float] = None) -> Tuple[Tuple[int, ...], ControllerState]:
@@ -214,10 +215,12 @@ class _Controller:
                 neighbouring split b_k ~ b_k ** 1.15 (more to the larger batches) and keeps
                 each try that is faster by more than the dead-band and the measured noise,
                 also when it proves faster than the base measured again right after it; if
-                the first try was not faster it tries b_k ~ b_k ** 0.85 once. It holds the
-                best split until the rule, judging from its anchor, predicts a gain of 3x
-                its dead-band, or the split's step time moves by as much for two windows
-                (a change of conditions), which starts a new search. Each try costs two
+                the first try was not faster (or there is none) it tries b_k ~ b_k ** 0.85
+                once. It holds the best split until the rule, judging from its anchor,
+                predicts a gain of 3x its dead-band, or the split's step time moves by as
+                much for two windows, or the rule proves a change of conditions (the
+                model-based rule's regime change, after which it judges with its own
+                dead-band); each starts a new search. Each try costs two
                 windows, each check of the base two more.
 
         Returns:
@@ -242,13 +245,13 @@ class _Controller:
             model_state = state.replace(sizes=search.anchor)
             if search.phase != search.BASE:
                 dead_band = min(0.5, _Search.RULE_DEAD_BAND_FACTOR * self.dead_band)
-        target, hi, stats, reason = self._update(model_state, sizes, times, dead_band)
-        stats = {**{k: v for k, v in state.stats.items() if k.startswith(_Search.PREFIX)},
-                 **stats}
+        target, hi, stats, reason, changed = self._update(model_state, sizes, times, dead_band)
+        stats = {**{k: v for k, v in state.stats.items()
+                    if k.startswith(_Search.PREFIX) or k == "configured_max"}, **stats}
         target = np.asarray(target, np.int64)
         if search is not None:
             target, stats, reason = search.step(self, state, target, hi, stats, reason, sizes,
-                                                step_time)
+                                                step_time, changed)
         changed = not np.array_equal(target, state.sizes)
         new_state = ControllerState(state.global_batch, target, state.min_sizes, hi,
                                     updates=state.updates + 1,
@@ -291,18 +294,30 @@ class _Controller:
         raise NotImplementedError
 
     def _update(self, state, sizes, times, dead_band):
+        """(target, max_sizes, stats, reason, changed): `changed` is True when the window
+        proved a change of conditions (a step-time search then starts over)."""
         raise NotImplementedError
 
     def _lower_max(self, state: ControllerState, sizes: np.ndarray, throughput: np.ndarray,
-                   valid: np.ndarray) -> Tuple[np.ndarray, str]:
-        """The paper's rule: if throughput fell after a replica's batch grew, cap it there."""
+                   valid: np.ndarray, changed: Optional[np.ndarray] = None
+                   ) -> Tuple[np.ndarray, str]:
+        """The paper's rule: if throughput fell after a replica's batch grew, cap it there.
+
+        A replica whose conditions proved to have changed (`changed`) gets its configured
+        bound back: a cap lowered from its old throughput says nothing about the new."""
         hi = state.max_sizes.copy()
+        note = ""
+        configured = state.stats.get("configured_max")
+        if changed is not None and configured is not None:
+            back = changed & (configured > hi)
+            hi = np.where(back, np.rint(configured).astype(np.int64), hi)
+            if back.any():
+                note += f" b_max restored on {int(back.sum())} replica(s);"
         if self.max_drop is None or "prev_size" not in state.stats:
-            return hi, ""
+            return hi, note
         prev_b, prev_x = state.stats["prev_size"], state.stats["prev_throughput"]
         grew = valid & (prev_x > 0) & (sizes > prev_b + 0.5)
         dropped = grew & (throughput < prev_x * (1.0 - self.max_drop))
-        note = ""
         for k in np.flatnonzero(dropped):
             cap = max(int(state.min_sizes[k]), int(math.floor(prev_b[k])))
             if cap < hi[k] and hi.sum() - (hi[k] - cap) >= state.global_batch:
@@ -321,7 +336,8 @@ class ProportionalController(_Controller):
             last window only.
         dead_band: keep the allocation when the predicted step-time gain is below this.
         max_drop: lower b_max of a replica to its previous size when its throughput fell by
-            more than this fraction after its batch was increased; None disables.
+            more than this fraction after its batch was increased; None disables. (The
+            model-based rule gives the configured bound back after a regime change.)
         step_time_search: when `update` gets the window's step time, refine the settled
             split on it (see `_Controller.update`); False keeps the rule alone.
 
@@ -358,7 +374,7 @@ class ProportionalController(_Controller):
                  "prev_size": np.where(valid, sizes, state.stats["prev_size"]),
                  "prev_throughput": np.where(valid, x_now, state.stats["prev_throughput"])}
         if not np.any(est > 0):
-            return state.sizes, hi, stats, "kept: no valid measurement yet"
+            return state.sizes, hi, stats, "kept: no valid measurement yet", False
         cap = np.where(est > 0, est, est[est > 0].mean())
         target = np.array(_split.split_proportionally(state.global_batch, cap,
                                                       state.min_sizes, hi), np.int64)
@@ -368,10 +384,10 @@ class ProportionalController(_Controller):
         if gain < dead_band and in_bounds:
             return state.sizes, hi, stats, (
                 f"dead-band: max predicted gain {100 * gain:.1f}% < "
-                f"{100 * dead_band:.0f}%;{note}".rstrip(";"))
+                f"{100 * dead_band:.0f}%;{note}".rstrip(";")), False
         return target, hi, stats, (
             f"rebalanced: predicted gain {100 * gain:.1f}% (throughput-proportional);"
-            f"{note}".rstrip(";"))
+            f"{note}".rstrip(";")), False
 
 
 class ModelBasedController(_Controller):
@@ -550,7 +566,7 @@ class ModelBasedController(_Controller):
         # only guess left when the replica now runs a few samples whose time is nearly all
         # fixed cost (a recovered replica: its slope cannot be measured there).
         x_now = np.where(valid & (sizes > 0), sizes / t, 0.0)
-        hi, note = self._lower_max(state, sizes, x_now, valid & (sizes > 0))
+        hi, note = self._lower_max(state, sizes, x_now, valid & (sizes > 0), regime)
         st["prev_size"] = np.where(valid, sizes, st["prev_size"])
         st["prev_throughput"] = np.where(valid & (sizes > 0), x_now, st["prev_throughput"])
         notes = note
@@ -560,7 +576,7 @@ class ModelBasedController(_Controller):
             notes += (f" regime change on {int(regime.sum())} replica(s);"
                       if regime.any() else "")
         if not np.any(st["s0"] > 0):
-            return state.sizes, hi, st, "kept: no valid measurement yet"
+            return state.sizes, hi, st, "kept: no valid measurement yet", False
         alpha, beta, ident = self._fit(st)
         st["alpha_m"] = np.where(ident, alpha, st["alpha_m"])
         st["beta_m"] = np.where(ident, beta, st["beta_m"])
@@ -570,15 +586,18 @@ class ModelBasedController(_Controller):
         new = float(np.max(alpha + beta * target))
         gain = 1.0 - new / current if current > 0 else 0.0
         in_bounds = np.all(state.sizes <= hi) and np.all(state.sizes >= state.min_sizes)
+        changed = bool(regime.any())
+        if changed:  # a proven change of conditions: the rule's own dead-band applies again
+            dead_band = min(dead_band, self.dead_band)
         mode = "affine model" if ident.all() else (
             f"affine model, {int((~ident).sum())} replica(s) proportional (slope not yet "
             "identified)")
         if gain < dead_band and in_bounds:
             reason = (f"dead-band: max predicted gain {100 * gain:.1f}% < "
                       f"{100 * dead_band:.0f}%;{notes}")
-            return state.sizes, hi, st, reason.rstrip(";")
+            return state.sizes, hi, st, reason.rstrip(";"), changed
         reason = f"rebalanced: predicted gain {100 * gain:.1f}% ({mode});{notes}"
-        return target, hi, st, reason.rstrip(";")
+        return target, hi, st, reason.rstrip(";"), changed
 
     @staticmethod
     def _solve(total, alpha, beta, lo, hi) -> np.ndarray:
@@ -612,10 +631,13 @@ class _Search:
     direction. A try that is not faster is checked against the base measured again (the
     machine may have changed meanwhile: one window back at the base); if it was faster after
     all, it becomes the base; otherwise the other direction (s = -0.15, towards the even
-    split) is tried once, if no try was kept yet. Then the best split is held until the rule
-    moves away from its anchor by a predicted gain of 3x its dead-band, or the held split's
-    step time differs from the search's figure by as much in two windows running (a change
-    of conditions: a worker slowed down or recovered), which starts a new search. Each try
+    split) is tried once, if no try was kept yet (at once if the bounds leave no split the
+    first way). Then the best split is held until the rule moves away from its anchor by a
+    predicted gain of 3x its dead-band, or the held split's step time differs from the
+    search's figure by as much in two windows running (a change of conditions: a worker
+    slowed down or recovered), or the rule proves such a change from the replicas' own
+    times (`changed`: the step times measured so far are then not comparable), which starts
+    a new search. Each try
     or check costs two windows (the one straddling the change is not measured).
 
     State lives in `ControllerState.stats` under `search_*` (per-replica arrays; scalars are
@@ -680,13 +702,17 @@ class _Search:
         stats = self._stats(stats, phase=self.PROBE, probe=nxt, direction=direction, **changes)
         return nxt, stats, None
 
-    def step(self, ctrl, state, target, hi, stats, reason, sizes, step_time):
-        """(sizes, stats, reason) after one window, given the rule's `target`."""
+    def step(self, ctrl, state, target, hi, stats, reason, sizes, step_time, changed):
+        """(sizes, stats, reason) after one window, given the rule's `target`; `changed`:
+        the rule proved a change of conditions in this window."""
         lo, current = state.min_sizes, state.sizes
         if self.phase == self.IDLE:
             if not np.array_equal(target, current):
                 return target, self._stats(stats, anchor=target, base=target), reason
             self.anchor = current.copy()
+        elif changed:  # the step times measured so far are not comparable any more
+            stats = self._stats(stats, phase=self.IDLE, anchor=target, base=target)
+            return target, stats, f"{reason}; step-time search starts over"
         elif not np.array_equal(target, self.anchor) or np.any(self.base > hi):
             stats = self._stats(stats, phase=self.IDLE, anchor=target, base=target)
             return target, stats, f"{reason}; step-time search starts over"
@@ -704,8 +730,11 @@ class _Search:
                 return current, stats, f"{reason}; step-time search: {now} at {current.tolist()}"
             base_time = 0.5 * (self.base_time + step_time)
             noise = abs(step_time - self.base_time) / (step_time + self.base_time)
-            nxt, stats, done = self._try(stats, current, 1, lo, hi, "", base_time=base_time,
-                                         noise=noise)
+            for direction in (1, -1):  # towards even if the bounds leave nothing the other way
+                nxt, stats, done = self._try(stats, current, direction, lo, hi, "",
+                                             base_time=base_time, noise=noise)
+                if done is None:
+                    break
             if done is not None:
                 return nxt, stats, f"{reason}; step-time search: no neighbouring split"
             return nxt, stats, (f"step-time search: trying {nxt.tolist()} against "
