@@ -194,6 +194,22 @@ def test_throughput_drop_after_growth_lowers_b_max_to_previous_size(cls):
     assert "b_max[0] lowered to 50" in state.reason
 
 
+def test_a_throughput_drop_within_the_noise_does_not_lower_b_max():
+    ctrl = ModelBasedController(dead_band=0.5)
+    state = ctrl.init([50, 50])
+    for i in range(12):  # t = 10 ms + 1 ms per sample, each window 10% off either way
+        sizes = np.array([40.0, 60.0]) if i % 2 else np.array([60.0, 40.0])
+        sign = np.array([1, -1]) * (-1) ** (i // 2)
+        _, state = ctrl.update(state, sizes, (0.01 + 0.001 * sizes) * (1 + 0.1 * sign))
+    assert state.stats["noise"].min() > 0.05
+    grown = state.stats["prev_size"] + np.array([10.0, -10.0])
+    lowered = {}
+    for drop in (0.2, 0.6):  # replica 0 grew and its throughput fell by `drop`
+        times = grown / (state.stats["prev_throughput"] * (1.0 - drop))
+        lowered[drop] = ctrl.update(state, grown, times)[1].max_sizes.tolist()
+    assert lowered == {0.2: [100, 100], 0.6: [40, 100]}
+
+
 def test_unidentified_slope_falls_back_to_proportional_split():
     ctrl = ModelBasedController()
     state = ctrl.init([30, 30, 30])

@@ -303,8 +303,11 @@ class _Controller:
                    ) -> Tuple[np.ndarray, str]:
         """The paper's rule: if throughput fell after a replica's batch grew, cap it there.
 
-        A replica whose conditions proved to have changed (`changed`) gets its configured
-        bound back: a cap lowered from its old throughput says nothing about the new."""
+        A drop within 4x the replica's running noise level (where the rule measures one,
+        `stats["noise"]`) is not taken for one: windows that noisy would lower bounds at
+        random. A replica whose conditions proved to have changed (`changed`) gets its
+        configured bound back: a cap lowered from its old throughput says nothing about the
+        new."""
         hi = state.max_sizes.copy()
         note = ""
         configured = state.stats.get("configured_max")
@@ -317,7 +320,10 @@ class _Controller:
             return hi, note
         prev_b, prev_x = state.stats["prev_size"], state.stats["prev_throughput"]
         grew = valid & (prev_x > 0) & (sizes > prev_b + 0.5)
-        dropped = grew & (throughput < prev_x * (1.0 - self.max_drop))
+        limit = self.max_drop
+        if "noise" in state.stats:
+            limit = np.maximum(limit, -np.expm1(-4.0 * state.stats["noise"]))
+        dropped = grew & (throughput < prev_x * (1.0 - limit))
         for k in np.flatnonzero(dropped):
             cap = max(int(state.min_sizes[k]), int(math.floor(prev_b[k])))
             if cap < hi[k] and hi.sum() - (hi[k] - cap) >= state.global_batch:

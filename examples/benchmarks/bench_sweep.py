@@ -358,7 +358,8 @@ def main(argv=None):
                         help="steps per one-epoch phase (default 50: 6400 samples)")
     parser.add_argument("--train-samples", type=int, default=6400)
     parser.add_argument("--interference-steps", type=int, default=None,
-                        help="steps of each interference run (default: 350 cnn, 2000 linear)")
+                        help="steps of each interference run (default: 600 cnn, ~200 of them after "
+                             "the recovery on this machine; 2000 linear)")
     parser.add_argument("--slowdown", type=float, default=3.0)
     parser.add_argument("--slow-at", type=float, default=15.0,
                         help="interference: seconds after the measured start (default 15)")
@@ -373,7 +374,7 @@ def main(argv=None):
     args.repeats = args.repeats or (1 if tiny or args.scenario == "interference" else 2)
     args.hs = args.hs or ("3" if tiny else "1,2,3,4,5,6")
     if args.interference_steps is None:
-        args.interference_steps = 2000 if args.model == "linear" else 350
+        args.interference_steps = 2000 if args.model == "linear" else 600
     name = "interference" if args.scenario == "interference" else (
         "sweep" if args.model == "cnn" else f"sweep_{args.model}")
     json_path, png, workdir = bc.out_paths(args.out or os.path.join(bc.DEFAULT_OUT_DIR,
