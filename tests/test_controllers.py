@@ -333,10 +333,9 @@ def test_step_time_search_finds_the_fastest_split_the_time_model_cannot_see(cls)
     state, history = _run_search(ctrl, ctrl.init([64, 64]), _valley_step_time, 30)
     best = min(((b, 128 - b) for b in range(1, 128)), key=_valley_step_time)
     assert best == (113, 15)
-    if cls is ModelBasedController:
-        assert tuple(state.sizes) == best, history
-    else:  # the smoothed proportional rule still drifts a little while the search runs
-        assert _valley_step_time(state.sizes) <= 1.02 * _valley_step_time(best), history
+    # In the valley, within the search's step of its bottom (138.6 ms at the equal finish).
+    assert state.sizes[1] < 16, history
+    assert _valley_step_time(state.sizes) <= 1.02 * _valley_step_time(best), history
     assert any("step-time search done" in reason for _, reason in history), history
     assert all(tuple(new) == tuple(state.sizes) for new, _ in history[-5:]), history
     # Without the step time (or with the search off) the model stays at its equal finish.
@@ -364,14 +363,17 @@ def test_step_time_search_keeps_the_settled_split_when_no_neighbour_is_faster(cl
     assert any("step-time search done" in reason for _, reason in history), history
     if cls is ModelBasedController:
         assert tuple(state.sizes) == best, history
-        # One try each way, each not faster, each checked against the base measured again.
+        # A double step, then the single step the same way, then the single step the other
+        # way: none faster, each checked against the base measured again.
         tries = [new for new, reason in history if "trying" in reason]
         checks = [new for new, reason in history if "measuring" in reason]
-        assert len(tries) == 2 and tries[0][0] > 109 > tries[1][0], history
-        assert [tuple(c) for c in checks] == [best, best], history
+        assert len(tries) == 3 and tries[0][0] > tries[1][0] > 109 > tries[2][0], history
+        assert [tuple(c) for c in checks] == [best] * 3, history
     else:  # the proportional rule stops short of the equal finish (dead-band); the search
-        # takes it the rest of the way, to within the noise
-        assert flat(state.sizes) <= 1.01 * flat(best), history
+        # keeps a split only if measured faster by more than its 5% margin, so under +-4%
+        # noise it may stay there, never worse
+        stopped = next(tuple(new) for new, reason in history if "step-time search: " in reason)
+        assert flat(state.sizes) <= flat(stopped), history
 
 
 def test_a_try_measured_during_a_slow_spell_is_kept_when_the_base_is_measured_again():
@@ -379,12 +381,12 @@ def test_a_try_measured_during_a_slow_spell_is_kept_when_the_base_is_measured_ag
     slow = {"on": False}
 
     def drifting(sizes):
-        slow["on"] |= tuple(sizes) == (113, 15)  # the machine slows from the first try on
+        slow["on"] |= sizes[1] < 16  # the machine slows from the first try (in the valley) on
         return _valley_step_time(sizes) * (1.5 if slow["on"] else 1.0)
 
     ctrl = ModelBasedController()
     state, history = _run_search(ctrl, ctrl.init([64, 64]), drifting, 30)
-    assert tuple(state.sizes) == (113, 15), history
+    assert state.sizes[1] < 16, history
     assert any("faster than [109, 19] measured again" in reason for _, reason in history), \
         history
 
@@ -392,7 +394,7 @@ def test_a_try_measured_during_a_slow_spell_is_kept_when_the_base_is_measured_ag
 def test_step_time_search_starts_over_when_conditions_change():
     ctrl = ModelBasedController()
     state, _ = _run_search(ctrl, ctrl.init([64, 64]), _valley_step_time, 30)
-    assert tuple(state.sizes) == (113, 15)
+    assert state.sizes[1] < 16  # settled in the valley
 
     def slower_1(sizes):  # replica 1 now twice as slow
         return _affine_times(sizes) * np.array([1.0, 2.0])
@@ -431,7 +433,7 @@ def test_a_slowdown_and_its_recovery_are_rebalanced_with_the_step_time_search_on
 def test_a_regime_change_the_rule_proves_starts_the_search_over_at_its_own_dead_band():
     ctrl = ModelBasedController()
     state, history = _run_search(ctrl, ctrl.init([64, 64]), _valley_step_time, 30)
-    assert tuple(state.sizes) == (113, 15) and "< 15%" in state.reason, history
+    assert state.sizes[1] < 16 and "< 15%" in state.reason, history
     reasons = []
     for _ in range(3):  # replica 1 now 30% faster: two windows off its model prove it
         times = _affine_times(state.sizes) * np.array([1.0, 0.7])
@@ -491,23 +493,24 @@ def test_bad_step_time_is_rejected_with_the_value(step_time):
 def test_a_held_split_whose_step_time_moves_for_good_starts_a_new_search():
     ctrl = ModelBasedController()
     state, _ = _run_search(ctrl, ctrl.init([64, 64]), _valley_step_time, 30)
-    assert tuple(state.sizes) == (113, 15)
+    settled = tuple(state.sizes)
+    assert settled[1] < 16
     # One window 40% faster (a spike): held.
     spike, history = _run_search(ctrl, state, lambda s: 0.6 * _valley_step_time(s), 1)
     held, more = _run_search(ctrl, spike, _valley_step_time, 5)
     assert not any("starts over" in r for _, r in history + more), history + more
-    assert tuple(held.sizes) == (113, 15)
+    assert tuple(held.sizes) == settled
     # Two windows running: the search starts over from the split in force.
     _, history = _run_search(ctrl, held, lambda s: 0.6 * _valley_step_time(s), 2)
-    assert "starts over" in history[-1][1] and tuple(history[-1][0]) == (113, 15), history
+    assert "starts over" in history[-1][1] and tuple(history[-1][0]) == settled, history
 
 
 def test_a_bound_lowered_below_a_try_ends_the_search_at_its_best_split():
     """The rule caps a replica whose throughput fell after growth: the search keeps its base."""
     ctrl = ModelBasedController()
     state, _ = _run_search(ctrl, ctrl.init([64, 64]), _valley_step_time, 4)
-    assert tuple(state.sizes) == (113, 15) and state.stats["search_phase"][0] == 2  # trying
-    # Replica 0 at 113 samples now takes far longer than before: b_max[0] drops to 109.
+    assert state.sizes[1] < 16 and state.stats["search_phase"][0] == 2  # trying the valley
+    # Replica 0, grown for the try, now takes far longer than before: b_max[0] drops to 109.
     slow = lambda s: _affine_times(s) * np.array([1.6, 1.0])  # noqa: E731
     new, state = ctrl.update(state, state.sizes.astype(float), slow(state.sizes),
                              step_time=_valley_step_time(state.sizes))

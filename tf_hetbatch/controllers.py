@@ -211,12 +211,14 @@ class _Controller:
             step_time: mean wall seconds per step of the whole synchronous step over the
                 window, the same value on every worker (`DynamicBatching` passes it), or None.
                 With it and `step_time_search`, once the rule holds a split (its anchor), a
-                search measures that split's step time over two windows, then tries the
-                neighbouring split b_k ~ b_k ** 1.15 (more to the larger batches) and keeps
-                each try that is faster by more than the dead-band and the measured noise,
-                also when it proves faster than the base measured again right after it; if
-                the first try was not faster (or there is none) it tries b_k ~ b_k ** 0.85
-                once. It holds the best split until the rule, judging from its anchor,
+                search measures that split's step time over two windows, then tries
+                b_k ~ b_k ** 1.3 (more to the larger batches: a double first step, a gain
+                large enough to measure) and keeps each try that is faster by more than the
+                dead-band and the measured noise, also when it proves faster than the base
+                measured again right after it, going on in single steps (b_k ** 1.15); a
+                double step that was not faster is followed by the single one; if nothing was
+                kept it tries b_k ~ b_k ** 0.85 once (at once if the bounds leave no split
+                the first way). It holds the best split until the rule, judging from its anchor,
                 predicts a gain of 3x its dead-band, or the split's step time moves by as
                 much for two windows, or the rule proves a change of conditions (the
                 model-based rule's regime change, after which it judges with its own
@@ -632,19 +634,22 @@ class _Search:
     collective that waits for a throttled process, kernels whose time jumps with the batch.
     So once the rule holds a split (its anchor), the search measures that split's step time
     over two windows, then tries the neighbouring split b_k ~ b_k ** (1 + s) (more to the
-    replicas with more samples, s = 0.15). A try faster than the base by more than the
+    replicas with more samples), first with a double step s = 0.3: on a noisy machine only
+    a gain beyond the dead-band can be told from the noise, and a single step from the
+    rule's equal finish rarely gains that much. A try faster than the base by more than the
     dead-band and the measured noise becomes the base, and the search goes on in that
-    direction. A try that is not faster is checked against the base measured again (the
-    machine may have changed meanwhile: one window back at the base); if it was faster after
-    all, it becomes the base; otherwise the other direction (s = -0.15, towards the even
-    split) is tried once, if no try was kept yet (at once if the bounds leave no split the
-    first way). Then the best split is held until the rule moves away from its anchor by a
+    direction in single steps (s = 0.15). A try that is not faster is checked against the
+    base measured again (the machine may have changed meanwhile: one window back at the
+    base); if it was faster after all, it becomes the base; otherwise, after a double step,
+    the single step the same way is tried (the double one may have gone past the fastest
+    split), then the other direction (s = -0.15, towards the even split) once, if no try
+    was kept yet (at once if the bounds leave no split the first way). Then the best split is held until the rule moves away from its anchor by a
     predicted gain of 3x its dead-band, or the held split's step time differs from the
     search's figure by as much in two windows running (a change of conditions: a worker
     slowed down or recovered), or the rule proves such a change from the replicas' own
     times (`changed`: the step times measured so far are then not comparable), which starts
-    a new search. Each try
-    or check costs two windows (the one straddling the change is not measured).
+    a new search. Each try or check costs two windows (the one straddling the change is not
+    measured).
 
     State lives in `ControllerState.stats` under `search_*` (per-replica arrays; scalars are
     repeated per replica), so it survives `to_dict` / `from_dict`.
@@ -655,11 +660,12 @@ class _Search:
     EXPONENT = 0.15
     RULE_DEAD_BAND_FACTOR = 3.0
     DRIFT_WINDOWS = 2
-    _SCALARS = ("phase", "base_time", "probe_time", "noise", "direction", "accepted", "drift")
+    _SCALARS = ("phase", "base_time", "probe_time", "noise", "direction", "accepted", "drift",
+                "scale")
     _VECTORS = ("anchor", "base", "probe")
 
     def __init__(self, sizes, **values):
-        self.phase, self.direction, self.accepted, self.drift = self.IDLE, 1, 0, 0
+        self.phase, self.direction, self.accepted, self.drift, self.scale = self.IDLE, 1, 0, 0, 1
         self.base_time = self.probe_time = self.noise = 0.0
         self.anchor = self.base = self.probe = np.asarray(sizes, np.int64)
         for key, value in values.items():
@@ -672,7 +678,7 @@ class _Search:
         if not all(k in st and st[k].size == num for k in keys):
             return cls(state.sizes)
         values = {k: float(st[cls.PREFIX + k][0]) for k in cls._SCALARS}
-        for k in ("phase", "direction", "accepted", "drift"):
+        for k in ("phase", "direction", "accepted", "drift", "scale"):
             values[k] = int(values[k])
         values.update({k: np.rint(st[cls.PREFIX + k]).astype(np.int64) for k in cls._VECTORS})
         return cls(state.sizes, **values)
@@ -688,24 +694,30 @@ class _Search:
             out[self.PREFIX + key] = np.asarray(getattr(self, key), np.float64)
         return out
 
-    def _neighbour(self, sizes, direction, lo, hi) -> Optional[np.ndarray]:
-        """The neighbouring split in `direction`, or None if the bounds leave none."""
+    def _neighbour(self, sizes, direction, lo, hi, scale=1) -> Optional[np.ndarray]:
+        """The neighbouring split `scale` steps away in `direction`, or None if the bounds
+        leave none."""
         total = int(np.sum(sizes))
         weights = np.maximum(sizes.astype(np.float64), 0.5)
-        for scale in (1, 2, 4):  # a larger step where rounding keeps the split
-            exponent = 1.0 + direction * scale * self.EXPONENT
+        for mult in ((1, 2, 4) if scale == 1 else (scale, 2 * scale)):  # larger if rounding
+            # keeps the split (a double step is not stretched: a bound in the way stops it)
+            exponent = 1.0 + direction * mult * self.EXPONENT
             new = np.asarray(_split.split_proportionally(total, weights ** exponent, lo, hi),
                              np.int64)
             if not np.array_equal(new, sizes):
                 return new
         return None
 
-    def _try(self, stats, sizes, direction, lo, hi, done_reason, **changes):
+    def _try(self, stats, sizes, direction, lo, hi, done_reason, scale=1, **changes):
         """Moves to the neighbour of `sizes` in `direction`, or holds `sizes` when none."""
-        nxt = self._neighbour(sizes, direction, lo, hi)
+        nxt = self._neighbour(sizes, direction, lo, hi, scale)
+        if nxt is not None and scale == 1 and np.array_equal(nxt, self.probe) and \
+                self.phase == self.RECHECK:
+            nxt = None  # the single step rounds to the double step just tried
         if nxt is None:
             return sizes, self._stats(stats, phase=self.DONE, **changes), done_reason
-        stats = self._stats(stats, phase=self.PROBE, probe=nxt, direction=direction, **changes)
+        stats = self._stats(stats, phase=self.PROBE, probe=nxt, direction=direction,
+                            scale=scale, **changes)
         return nxt, stats, None
 
     def step(self, ctrl, state, target, hi, stats, reason, sizes, step_time, changed):
@@ -737,7 +749,7 @@ class _Search:
             base_time = 0.5 * (self.base_time + step_time)
             noise = abs(step_time - self.base_time) / (step_time + self.base_time)
             for direction in (1, -1):  # towards even if the bounds leave nothing the other way
-                nxt, stats, done = self._try(stats, current, direction, lo, hi, "",
+                nxt, stats, done = self._try(stats, current, direction, lo, hi, "", 2,
                                              base_time=base_time, noise=noise)
                 if done is None:
                     break
@@ -781,11 +793,16 @@ class _Search:
             return (self.probe, stats, done) if done else (nxt, stats, f"{kept}; trying "
                                                                        f"{nxt.tolist()}")
         base_time = 0.5 * (self.base_time + step_time)
-        if self.accepted == 0 and self.direction == 1:
-            nxt, stats, done = self._try(stats, current, -1, lo, hi, "", base_time=base_time)
-            if done is None:
-                return nxt, stats, (f"step-time search: {current.tolist()} at {now} again; "
-                                    f"trying {nxt.tolist()}")
+        # A double first step that was not faster may have gone past the fastest split: the
+        # single step the same way; then, if nothing was kept, the other way.
+        for direction, wanted in ((self.direction, self.scale > 1),
+                                  (-1, self.accepted == 0 and self.direction == 1)):
+            if wanted:
+                nxt, stats, done = self._try(stats, current, direction, lo, hi, "",
+                                             base_time=base_time)
+                if done is None:
+                    return nxt, stats, (f"step-time search: {current.tolist()} at {now} "
+                                        f"again; trying {nxt.tolist()}")
         stats = self._stats(stats, phase=self.DONE, base_time=base_time)
         return current, stats, (f"step-time search done: {current.tolist()} at "
                                 f"{_fmt_ms(1e3 * base_time)} ({self.probe.tolist()}: {tried})")
