@@ -100,10 +100,13 @@ class CyclingController:
 
 
 # --------------------------------------------------------------------------- end to end ---
-def test_defaults_converge_towards_the_cheap_replica_and_improve_balance(cpus):
+def test_the_rule_converges_towards_the_cheap_replica_and_improves_balance(cpus):
     strategy = hb.HeteroMirroredStrategy(cpus[:3])
     model = build_under(strategy, cost_model)
-    callback = hb.DynamicBatching()  # initial="flops": identical logical CPUs -> even split
+    # The default controller, the rule alone: on one host the replicas share 2 cores, so
+    # the step-time search rightly moves past the equal finish (less work in all is faster).
+    callback = hb.DynamicBatching(  # initial="flops": identical logical CPUs -> even split
+        controller=hb.ModelBasedController(step_time_search=False))
     model.fit(cost_dataset(), steps_per_epoch=75, epochs=1, shuffle=False, verbose=0,
               callbacks=[callback])
 
@@ -125,7 +128,7 @@ def test_defaults_converge_towards_the_cheap_replica_and_improve_balance(cpus):
     assert np.median([imbalance(w) for w in callback.windows[-3:]]) < 1.3, callback.windows
     # The state of a real controller survives JSON and restores identically.
     state = json.loads(json.dumps(callback.get_state()))
-    restored = hb.DynamicBatching()
+    restored = hb.DynamicBatching(controller=hb.ModelBasedController(step_time_search=False))
     restored.set_state(state)
     assert restored.get_state() == state
     assert restored.batch_sizes == sizes
