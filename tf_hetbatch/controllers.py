@@ -218,12 +218,12 @@ class _Controller:
                 measured again right after it, going on in single steps (b_k ** 1.15); a
                 double step that was not faster is followed by the single one; if nothing was
                 kept it tries b_k ~ b_k ** 0.85 once (at once if the bounds leave no split
-                the first way). It holds the best split until the rule, judging from its anchor,
-                predicts a gain of 3x its dead-band, or the split's step time moves by as
-                much for two windows, or the rule proves a change of conditions (the
+                the first way). It holds the best split until the rule, judging from its
+                anchor, predicts a gain of 3x its dead-band, or the split's step time moves
+                by as much for two windows, or the rule proves a change of conditions (the
                 model-based rule's regime change, after which it judges with its own
-                dead-band); each starts a new search. Each try costs two
-                windows, each check of the base two more.
+                dead-band); each starts a new search. Each try costs two windows, each
+                check of the base two more.
 
         Returns:
             `(new_sizes, new_state)`: a tuple of K python ints summing to the global batch,
@@ -643,13 +643,13 @@ class _Search:
     base); if it was faster after all, it becomes the base; otherwise, after a double step,
     the single step the same way is tried (the double one may have gone past the fastest
     split), then the other direction (s = -0.15, towards the even split) once, if no try
-    was kept yet (at once if the bounds leave no split the first way). Then the best split is held until the rule moves away from its anchor by a
-    predicted gain of 3x its dead-band, or the held split's step time differs from the
-    search's figure by as much in two windows running (a change of conditions: a worker
-    slowed down or recovered), or the rule proves such a change from the replicas' own
-    times (`changed`: the step times measured so far are then not comparable), which starts
-    a new search. Each try or check costs two windows (the one straddling the change is not
-    measured).
+    was kept yet (at once if the bounds leave no split the first way). Then the best split
+    is held until the rule moves away from its anchor by a predicted gain of 3x its
+    dead-band, or the held split's step time differs from the search's figure by as much in
+    two windows running (a change of conditions: a worker slowed down or recovered), or the
+    rule proves such a change from the replicas' own times (`changed`: the step times
+    measured so far are then not comparable), which starts a new search. Each try or check
+    costs two windows (the one straddling the change is not measured).
 
     State lives in `ControllerState.stats` under `search_*` (per-replica arrays; scalars are
     repeated per replica), so it survives `to_dict` / `from_dict`.
