@@ -711,8 +711,7 @@ class _Search:
     def _try(self, stats, sizes, direction, lo, hi, done_reason, scale=1, **changes):
         """Moves to the neighbour of `sizes` in `direction`, or holds `sizes` when none."""
         nxt = self._neighbour(sizes, direction, lo, hi, scale)
-        if nxt is not None and scale == 1 and np.array_equal(nxt, self.probe) and \
-                self.phase == self.RECHECK:
+        if self.phase == self.RECHECK and nxt is not None and np.array_equal(nxt, self.probe):
             nxt = None  # the single step rounds to the double step just tried
         if nxt is None:
             return sizes, self._stats(stats, phase=self.DONE, **changes), done_reason
