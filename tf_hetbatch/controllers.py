@@ -247,13 +247,13 @@ class _Controller:
             model_state = state.replace(sizes=search.anchor)
             if search.phase != search.BASE:
                 dead_band = min(0.5, _Search.RULE_DEAD_BAND_FACTOR * self.dead_band)
-        target, hi, stats, reason, changed = self._update(model_state, sizes, times, dead_band)
+        target, hi, stats, reason, proven = self._update(model_state, sizes, times, dead_band)
         stats = {**{k: v for k, v in state.stats.items()
                     if k.startswith(_Search.PREFIX) or k == "configured_max"}, **stats}
         target = np.asarray(target, np.int64)
         if search is not None:
             target, stats, reason = search.step(self, state, target, hi, stats, reason, sizes,
-                                                step_time, changed)
+                                                step_time, proven)
         changed = not np.array_equal(target, state.sizes)
         new_state = ControllerState(state.global_batch, target, state.min_sizes, hi,
                                     updates=state.updates + 1,
