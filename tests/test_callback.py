@@ -200,8 +200,10 @@ def test_explicit_initial_sizes_are_applied(cpus):
     strategy = hb.HeteroMirroredStrategy(cpus[:3])
     model = build_under(strategy, dense_model)
     callback = hb.DynamicBatching(initial=[4, 8, 20], warmup_steps=100)
+    assert callback.batch_sizes is None and callback.settled_batch_sizes is None
     model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
     assert strategy.batch_sizes == callback.batch_sizes == (4, 8, 20)
+    assert callback.settled_batch_sizes == (4, 8, 20)
     assert callback.history == [{"step": 0, "old": [11, 11, 10], "new": [4, 8, 20],
                                  "reason": "initial split: given sizes"}]
     assert callback.windows == []  # warm-up never ended: nothing measured, nothing changed

@@ -483,6 +483,27 @@ def test_step_time_search_state_round_trips_mid_search():
     assert sizes == (128,) and not any(k.startswith("search_") for k in removed.stats)
 
 
+def test_settled_sizes_leave_out_a_try_in_flight():
+    ctrl = ModelBasedController()
+    state = ctrl.init([64, 64])
+    seen = set()
+    for _ in range(30):
+        base = state.stats.get("search_base")
+        phase = state.stats.get("search_phase", [0])[0]
+        if phase == 2:  # trying a neighbour: the split it goes back to is the base
+            assert not np.array_equal(state.sizes, base)
+            assert state.settled_sizes.tolist() == np.rint(base).astype(int).tolist()
+        else:
+            assert state.settled_sizes.tolist() == state.sizes.tolist()
+        seen.add(int(phase))
+        state, _ = _run_search(ctrl, state, _valley_step_time, 1)
+    assert {0, 1, 2, 3, 4} <= seen  # every phase of the search was checked
+    restored = ControllerState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert restored.settled_sizes.tolist() == state.settled_sizes.tolist()
+    plain = ProportionalController(step_time_search=False).init([100, 28])
+    assert plain.settled_sizes.tolist() == [100, 28]
+
+
 @pytest.mark.parametrize("step_time", [0.0, -1.0, float("nan"), "fast"])
 def test_bad_step_time_is_rejected_with_the_value(step_time):
     ctrl = ModelBasedController()

@@ -179,6 +179,16 @@ class DynamicBatching(keras.callbacks.Callback):
         """The split applied last, in replica order (None before the first split)."""
         return self._sizes
 
+    @property
+    def settled_batch_sizes(self) -> Optional[Tuple[int, ...]]:
+        """The split the controller settled on: `batch_sizes`, except while its step-time
+        search tries a neighbouring split (then the split the search goes back to unless the
+        try proves faster). To train later runs at a fixed split, pass it to the strategy's
+        `set_batch_sizes`."""
+        if self.controller_state is None or self._sizes is None:
+            return self._sizes
+        return tuple(int(v) for v in self.controller_state.settled_sizes)
+
     def get_state(self) -> Dict[str, Any]:
         """The callback's state as a JSON-serialisable dict, for checkpoints (see `set_state`).
 

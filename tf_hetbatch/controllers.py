@@ -85,6 +85,14 @@ class ControllerState:
     def num_replicas(self) -> int:
         return int(self.sizes.size)
 
+    @property
+    def settled_sizes(self) -> np.ndarray:
+        """The split held, leaving out a step-time search's try in flight: while the search
+        measures a neighbouring split, the split it goes back to unless the try proves
+        faster; `sizes` otherwise."""
+        search = _Search.of(self)
+        return search.base.copy() if search.phase == _Search.PROBE else self.sizes.copy()
+
     def replace(self, **changes) -> "ControllerState":
         return dataclasses.replace(self, **changes)
 

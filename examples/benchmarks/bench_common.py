@@ -112,6 +112,25 @@ def fmt_stats(s, scale=1.0, digits=0):
             f"{f.format(s['max'] * scale)})")
 
 
+def ratio_stats(ratios, rng):
+    """stats() of paired ratios plus a 90% bootstrap interval of their median ("ci90")."""
+    s = stats(ratios)
+    arr = np.asarray([v for v in ratios if v is not None and np.isfinite(v)], dtype=float)
+    if arr.size > 1:
+        medians = np.median(rng.choice(arr, size=(1000, arr.size)), axis=1)
+        s["ci90"] = [float(np.percentile(medians, 5)), float(np.percentile(medians, 95))]
+    return s
+
+
+def fmt_ratio(s):
+    """'median [90% interval]' of a ratio_stats dict."""
+    if not s["n"]:
+        return "-"
+    if "ci90" not in s:
+        return f"{s['median']:.3f}"
+    return f"{s['median']:.3f} [{s['ci90'][0]:.3f}-{s['ci90'][1]:.3f}]"
+
+
 def table(header, rows, align=None):
     """A markdown table as a list of lines."""
     align = align or ["---"] + ["---:"] * (len(header) - 1)

@@ -125,8 +125,8 @@ def single_host(args, tiny, blocks):
         out[model_name] = m
         print(f"    (a) {model_name}: per step (median of {blocks} blocks of {block} steps) "
               f"stock {m['stock']['median']:.2f} ms, ours {m['ours']['median']:.2f} ms, ratio "
-              f"{_fmt_ratio(m['ratio'])}; control/stock {_fmt_ratio(m['control_ratio'])}; "
-              f"array-style input: ratio {_fmt_ratio(m['arrays']['ratio'])}; per epoch: start "
+              f"{bc.fmt_ratio(m['ratio'])}; control/stock {bc.fmt_ratio(m['control_ratio'])}; "
+              f"array-style input: ratio {bc.fmt_ratio(m['arrays']['ratio'])}; per epoch: start "
               f"{m['pipeline_start_ms']['stock']['median']:.0f} / "
               f"{m['pipeline_start_ms']['ours']['median']:.0f} ms, end "
               f"{m['pipeline_end_ms']['stock']['median']:.0f} / "
@@ -157,10 +157,10 @@ def _steady_state(strategies, models, data, block, blocks, rng):
             "stock": bc.stats(wall["stock"]), "control": bc.stats(wall["control"]),
             "ours": bc.stats(wall["ours"]),
             "ratios": ratio["ours"], "control_ratios": ratio["control"],
-            "ratio": _ratio_stats(ratio["ours"], rng),
-            "control_ratio": _ratio_stats(ratio["control"], rng),
-            "cpu_ratio": _ratio_stats(cpu_ratio["ours"], rng),
-            "control_cpu_ratio": _ratio_stats(cpu_ratio["control"], rng),
+            "ratio": bc.ratio_stats(ratio["ours"], rng),
+            "control_ratio": bc.ratio_stats(ratio["control"], rng),
+            "cpu_ratio": bc.ratio_stats(cpu_ratio["ours"], rng),
+            "control_cpu_ratio": bc.ratio_stats(cpu_ratio["control"], rng),
             "stock_cpu_ms": bc.stats(cpu["stock"]), "ours_cpu_ms": bc.stats(cpu["ours"])}
 
 
@@ -169,22 +169,6 @@ def _train_steps(model, iterator, steps):
     for _ in range(steps):
         logs = model.train_function(iterator)
     float(logs["loss"])  # the last step has finished
-
-
-def _ratio_stats(ratios, rng):
-    """stats() of paired ratios plus a 90% bootstrap interval of their median."""
-    s = bc.stats(ratios)
-    arr = np.asarray(ratios, dtype=float)
-    if arr.size > 1:
-        medians = np.median(rng.choice(arr, size=(1000, arr.size)), axis=1)
-        s["ci90"] = [float(np.percentile(medians, 5)), float(np.percentile(medians, 95))]
-    return s
-
-
-def _fmt_ratio(s):
-    if "ci90" not in s:
-        return f"{s['median']:.3f}"
-    return f"{s['median']:.3f} [{s['ci90'][0]:.3f}-{s['ci90'][1]:.3f}]"
 
 
 def cluster(args, tiny, workdir):
@@ -285,14 +269,14 @@ def main(argv=None):
         rows.append([f"(a) one host, 2 logical CPUs, {name}, per step", "MirroredStrategy",
                      f"{m['stock']['median']:.2f}", "HeteroMirroredStrategy",
                      f"{m['ours']['median']:.2f}",
-                     f"{_fmt_ratio(m['ratio'])}; CPU/step {_fmt_ratio(m['cpu_ratio'])}; "
-                     f"control (2nd stock) {_fmt_ratio(m['control_ratio'])}"])
+                     f"{bc.fmt_ratio(m['ratio'])}; CPU/step {bc.fmt_ratio(m['cpu_ratio'])}; "
+                     f"control (2nd stock) {bc.fmt_ratio(m['control_ratio'])}"])
         arr = m["arrays"]
         rows.append([f"(a) {name}, per step, input as fit(x, y, batch_size={args.batch}) "
                      "builds it", "MirroredStrategy", f"{arr['stock']['median']:.2f}",
                      "HeteroMirroredStrategy", f"{arr['ours']['median']:.2f}",
-                     f"{_fmt_ratio(arr['ratio'])}; CPU/step {_fmt_ratio(arr['cpu_ratio'])}; "
-                     f"control (2nd stock) {_fmt_ratio(arr['control_ratio'])}"])
+                     f"{bc.fmt_ratio(arr['ratio'])}; CPU/step {bc.fmt_ratio(arr['cpu_ratio'])}; "
+                     f"control (2nd stock) {bc.fmt_ratio(arr['control_ratio'])}"])
         for what, key in (("start (new iterator to its first step)", "pipeline_start_ms"),
                           ("end (iterator released)", "pipeline_end_ms")):
             got = m[key]

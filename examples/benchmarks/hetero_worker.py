@@ -10,11 +10,13 @@ The plan (JSON) holds the model (`model`, `filters`, `batch`, `train_samples`,
 `test_samples`) and a `task`:
 
 * `"phases"`: `phases` is a list of
-  - `{"name", "kind": "static", "sizes": [..] | "even" | "best", "steps", "skip"}`: a fixed
-    split set with `set_batch_sizes` (a collective, same point on every worker; it takes
+  - `{"name", "kind": "static", "sizes": [..] | "even" | "best" | "of", "steps", "skip"}`: a
+    fixed split set with `set_batch_sizes` (a collective, same point on every worker; it takes
     effect SWITCH_MARGIN steps later, so the first `skip` steps are not measured). `"best"`
     picks, identically on every worker, the static phase whose name starts with `best_of`
-    (default "grid") with the lowest cluster-mean median step time.
+    (default "grid") with the lowest cluster-mean median step time; `"of"` takes the split
+    an earlier phase named `of` ended with (for a dynamic phase, the split its controller
+    settled on: a step-time search's try in flight at the end is left out).
   - `{"name", "kind": "dynamic", "steps", "initial", "controller"}`: a fresh
     `DynamicBatching(initial=...)` for that phase (a second `fit` in the same process).
   Each phase is one `model.fit(steps_per_epoch=steps)`; a `warmup` phase traces first.
@@ -174,6 +176,9 @@ def run_phase(model, strategy, dataset, phase, done, plan, chief):
             best = best_static(strategy, done, phase.get("best_of", "grid"))
             sizes = done[best]["sizes"]
             record["best_phase"] = done[best]["name"]
+        elif sizes == "of":
+            of = next(p for p in done if p["name"] == phase["of"])
+            sizes = of.get("settled_sizes", of["sizes"])
         sizes = [int(s) for s in sizes]
         strategy.set_batch_sizes(sizes)  # a collective: every worker at the same point
         skip = int(phase.get("skip", multi_worker.SWITCH_MARGIN + 4))
@@ -198,6 +203,8 @@ def run_phase(model, strategy, dataset, phase, done, plan, chief):
         record["history"] = dynamic.history
         record["windows"] = dynamic.windows
         record["sizes"] = list(dynamic.batch_sizes or [])
+        # Without a step-time search's try in flight at the end of the phase.
+        record["settled_sizes"] = list(dynamic.settled_batch_sizes or [])
         steady = secs[len(secs) // 2:]
         record["step_ms_median"] = float(np.median(steady) * 1e3)
         record["step_ms_mean"] = float(np.mean(secs) * 1e3)
