@@ -69,6 +69,9 @@ def test_two_workers_exact_with_a_switch_at_the_same_step(tmp_path):
 
     samples = [info["samples"] for _, info in outputs]
     assert samples[0] == samples[1]
+    # A value per worker gathered in the same collective as the times, in replica order.
+    for _, info in outputs:
+        assert info["extra"] == [[0.5, 1.5]] * len(samples[0])
     switch = 4 + SWITCH_MARGIN
     assert all(s == [5.0, 27.0] for s in samples[0][:switch])
     assert all(s == [20.0, 12.0] for s in samples[0][switch:])

@@ -448,9 +448,18 @@ class DynamicBatching(keras.callbacks.Callback):
 
     def _end_window(self):
         strategy = self._strategy
-        times = strategy.read_replica_times(reset=True)  # a collective, on every worker
         steps = self._window_steps
         step_time = self._window_wall / steps
+        cluster_step_time = None
+        if _takes_step_time(self.controller) and not hasattr(strategy, "read_staleness"):
+            # The controller's step-time search needs the same value on every worker: the
+            # slowest worker's mean step, gathered with the times (one collective, at the
+            # same step on every worker).
+            local = np.full(len(strategy.extended.worker_devices), step_time)
+            times, walls = strategy._read_replica_times(reset=True, local_extra=local)
+            cluster_step_time = float(np.max(walls))
+        else:
+            times = strategy.read_replica_times(reset=True)  # a collective, on every worker
         self._window_steps = 0
         self._window_wall = 0.0
         self._num_windows += 1
@@ -475,7 +484,7 @@ class DynamicBatching(keras.callbacks.Callback):
                          self._global_step)
         else:
             used = True
-            self._control(strategy, sizes, secs, step_time)
+            self._control(strategy, sizes, secs, cluster_step_time)
         self._log_window(sizes, secs, step_time, used)
         if hasattr(strategy, "read_staleness"):  # asynchronous training
             self._log_staleness(strategy.read_staleness(reset=True))
@@ -497,12 +506,9 @@ class DynamicBatching(keras.callbacks.Callback):
             self._apply_static(strategy, self._static_split(total, num), self._static_reason())
 
     def _control(self, strategy, sizes, secs, step_time):
+        """`step_time`: the cluster's step time for a controller that takes it, else None."""
         old = self._sizes
-        if _takes_step_time(self.controller) and not hasattr(strategy, "read_staleness"):
-            # The controller's step-time search needs the same value on every worker: the
-            # slowest worker's mean step (a collective, at the same step everywhere).
-            local = np.full(len(strategy.extended.worker_devices), step_time)
-            step_time = float(np.max(strategy.gather_replica_values(local)))
+        if step_time is not None:
             new, state = self.controller.update(self.controller_state, sizes, secs,
                                                 step_time=step_time)
         else:

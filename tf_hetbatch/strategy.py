@@ -136,10 +136,24 @@ class HeteroMixin:
         Returns:
             `ReplicaTimes` over all replicas in sync, in replica order.
         """
+        return self._read_replica_times(reset)[0]
+
+    def _read_replica_times(self, reset, local_extra=None):
+        """(`read_replica_times(reset)`, the replicas' `local_extra` values or None).
+
+        `local_extra` (one float per local replica) is gathered in the same collective as the
+        times, so a callback that needs another per-replica value at the same point (e.g. each
+        worker's step time) costs the cluster one collective, not two.
+        """
         local = self._timing.read_local()
         if reset:
             self._timing.subtract_local(local)
-        return timing.ReplicaTimes.from_rows(self._gather_local_rows(local.rows()))
+        rows = local.rows()
+        if local_extra is None:
+            return timing.ReplicaTimes.from_rows(self._gather_local_rows(rows)), None
+        extra = np.asarray(local_extra, np.float64).reshape(rows.shape[0], 1)
+        gathered = self._gather_local_rows(np.concatenate([rows, extra], axis=1))
+        return timing.ReplicaTimes.from_rows(gathered[:, :3]), gathered[:, 3]
 
     def restart_step_clock(self) -> None:
         """Times the next step of each replica from its inputs being ready, not from its release.

@@ -79,12 +79,16 @@ class SwitchAt(keras.callbacks.Callback):
     def __init__(self, strategy, at_step, sizes):
         super().__init__()
         self.strategy, self.at_step, self.sizes, self.step = strategy, at_step, sizes, 0
-        self.samples = []
+        self.samples, self.extra = [], []
 
     def on_train_batch_end(self, batch, logs=None):
         self.step += 1
-        times = self.strategy.read_replica_times(reset=True)  # collective, every worker
+        # A collective on every worker; each worker's index (+ 0.5) rides along, as a
+        # worker's step time does for DynamicBatching.
+        index = self.strategy.cluster_resolver.task_id
+        times, extra = self.strategy._read_replica_times(reset=True, local_extra=[index + 0.5])
         self.samples.append(times.samples.tolist())
+        self.extra.append(extra.tolist())
         if self.step == self.at_step:
             self.strategy.set_batch_sizes(self.sizes)  # collective, every worker
 
@@ -134,6 +138,7 @@ def main():
             {
                 "history": history.history,
                 "samples": callbacks[0].samples if callbacks else [],
+                "extra": callbacks[0].extra if callbacks else [],
                 "batch_sizes": list(strategy.batch_sizes),
                 "chief": strategy.is_chief,
             },
