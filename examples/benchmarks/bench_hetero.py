@@ -12,7 +12,7 @@ process, so conditions are equal), repeated `--repeats` rounds, interleaved:
 4. `DynamicBatching(initial="uniform")` from the even split (the source paper's protocol);
 5. `DynamicBatching()` with the library defaults (initial="flops": under cgroup caps the
    nominal capacity already reflects the caps, so it starts cap-proportional);
-6. head to head: the splits the two dynamic phases ended with and the round's best static
+6. head to head: the splits the two dynamic phases settled on and the round's best static
    split, each set as a fixed split, in short blocks in a seeded random order per block
    (`--h2h-blocks`). Phase medians of different phases differ by 10-30% for the same split on
    a shared machine (drift between phases minutes apart); the ratio of adjacent blocks does
@@ -40,7 +40,7 @@ import bench_common as bc  # noqa: E402
 
 EXPONENTS = (0.5, 1.0, 1.25, 1.5, 2.0, 2.5)
 EXPONENTS_TINY = (1.0, 2.0)
-# Head-to-head arms: the phase whose final split each arm runs (the first is the reference).
+# Head-to-head arms: the phase whose settled split each arm runs (the first is the reference).
 ARMS = ("best", "dynamic", "dyn-defaults")
 
 
@@ -214,7 +214,7 @@ def report(a, args, caps, result, when):
     h2h = a["head_to_head"]
     if h2h:
         first = next(p for p in result["phases"] if p["name"].startswith("h2h"))
-        lines += ["", "Head to head (final splits set as fixed splits, blocks of "
+        lines += ["", "Head to head (settled splits set as fixed splits, blocks of "
                   f"{first['steps']} steps ({first['steps'] - first['skip']} measured after "
                   "the switch) in random order; block median step ms, "
                   "median (min-max) over blocks; ratio to the best static split's block next "
