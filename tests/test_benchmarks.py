@@ -86,7 +86,7 @@ def test_bench_hetero_tiny_mode(tmp_path):
     assert data["ideal_ms"] > 0 and abs(sum(data["ideal_split"]) - data["batch"]) < 1e-6
     round_ = data["rounds"][0]
     assert sum(round_["best_sizes"]) == data["batch"] == sum(round_["dynamic_sizes"])
-    # The head to head runs the splits the phases ended with, as fixed splits.
+    # The head to head runs the splits the phases settled on, as fixed splits.
     h2h = data["head_to_head"]
     assert h2h["best"]["sizes"] == [round_["best_sizes"]]
     assert h2h["dynamic"]["sizes"] == [round_["dynamic_sizes"]]
