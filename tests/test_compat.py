@@ -221,3 +221,18 @@ def test_partial_batch_handling_is_a_per_dataset_flag_read_by_its_iterators(cpus
     assert "OptionalHasValue" not in _get_next_op_types(distributed)
     batches = [[int(tf.size(t)) for t in ours.experimental_local_results(b)] for b in distributed]
     assert batches == [[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 0, 0]]
+
+
+def test_coordination_barrier_is_the_context_method():
+    """`_compat.wait_at_coordination_barrier` (tensorflow/tensorflow#58434, used by
+    tf_hetbatch.clean_exit at exit): the eager context's `wait_at_barrier(barrier_id,
+    timeout_in_ms)` reaches the coordination service's barrier; in a process without one it
+    fails at once (test_clean_exit runs the barrier in a real two-worker job)."""
+    import inspect
+
+    from tensorflow.python.eager import context
+
+    params = list(inspect.signature(context.Context.wait_at_barrier).parameters)
+    assert params == ["self", "barrier_id", "timeout_in_ms"]
+    with pytest.raises(tf.errors.FailedPreconditionError, match="Coordination service"):
+        _compat.wait_at_coordination_barrier("tf_hetbatch/canary", timeout_s=1)

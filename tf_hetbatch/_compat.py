@@ -415,3 +415,22 @@ def disable_partial_batch_handling(distributed):
         return distributed
     distributed._enable_get_next_as_optional = False
     return distributed
+
+
+# --- A barrier of all tasks of a multi-worker cluster (tensorflow: no public API) -------------
+# tensorflow/tensorflow#58434: the tasks of a MultiWorkerMirroredStrategy cluster that exit one
+# at a time can end a successful run with "StartAbort UNAVAILABLE" error lines (a task outliving
+# the coordination service's leader, or the leader outliving a task's heartbeats). The
+# coordination service has a barrier of all tasks, `Context.wait_at_barrier`
+# (tensorflow/python/eager/context.py), with no public API; tf_hetbatch.clean_exit waits at it
+# when a process exits. Canary: test_compat.test_coordination_barrier_is_the_context_method.
+def wait_at_coordination_barrier(barrier_id, timeout_s):
+    """Blocks until every task of the cluster reached the barrier `barrier_id`.
+
+    Raises:
+        tf.errors.OpError: on a timeout, a failed task, or without a coordination service
+            (FailedPreconditionError).
+    """
+    from tensorflow.python.eager import context
+
+    context.context().wait_at_barrier(barrier_id, int(timeout_s * 1000))

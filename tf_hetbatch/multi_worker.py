@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_hetbatch import _compat
+from tf_hetbatch import clean_exit
 from tf_hetbatch import weighting
 from tf_hetbatch.strategy import HeteroMixin
 
@@ -51,6 +52,8 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
         )
         self._sum_tables = None
         self._init_hetero()
+        # At exit, the tasks wait for each other, so a successful run ends quietly.
+        clean_exit.register_exit_together(self.cluster_resolver)
 
     # ----------------------------------------------------------------- topology hooks ----------
     def _num_local_replicas(self):
