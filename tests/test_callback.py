@@ -272,10 +272,57 @@ def test_without_a_hetero_strategy_fails_naming_the_fix(cpus, where):
     (dict(verbose=-1), ValueError, "verbose=-1"),
     (dict(controller=hb.ModelBasedController(min_sizes=2), min_sizes=4), ValueError,
      "min_sizes=4 and a controller with min_sizes=2"),
+    (dict(min_sizes=10, max_sizes=5), ValueError,
+     "`min_sizes` must not exceed `max_sizes`. Received: min_sizes=10, max_sizes=5. Fix:"),
+    (dict(min_sizes=[1, 9], max_sizes=[3, 4]), ValueError, "(replica 1: 9 > 4)"),
+    (dict(min_sizes=4, max_sizes=[3, 8]), ValueError, "(replica 0: 4 > 3)"),
+    (dict(min_sizes=[1, 2], max_sizes=[3, 4, 5]), ValueError, "must have the same length"),
 ])
 def test_bad_constructor_arguments_fail_naming_the_value(kwargs, error, message):
     with pytest.raises(error, match=re.escape(message)):
         hb.DynamicBatching(**kwargs)
+
+
+@pytest.mark.parametrize("initial", ["flops", "probe", [10, 11, 11]])
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(min_sizes=[20, 20, 20]),
+     "`min_sizes` must sum to at most the global batch size 32 over the 3 replicas. "
+     "Received: min_sizes=[20, 20, 20] (sum 60). Fix:"),
+    (dict(min_sizes=11), "min_sizes=11 (sum 33)"),
+    (dict(max_sizes=[8, 8, 8]),
+     "`max_sizes` must sum to at least the global batch size 32 over the 3 replicas. "
+     "Received: max_sizes=[8, 8, 8] (sum 24). Fix:"),
+    (dict(max_sizes=[8, 40]), "`max_sizes` must have one entry per replica (3)"),
+])
+def test_bounds_no_split_of_the_global_batch_meets_fail_before_the_first_step(
+        cpus, initial, kwargs, message):
+    x, y = regression_data(n=64)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    model = build_under(strategy, dense_model)
+    callback = hb.DynamicBatching(initial=initial, warmup_steps=0, interval=1, probe_steps=1,
+                                  **kwargs)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[callback])
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert callback.history == [] and strategy.batch_sizes == (11, 11, 10)  # even: untouched
+
+
+def test_bounds_fail_once_an_unknown_global_batch_is_measured(cpus):
+    x, y = regression_data()
+
+    def global_batches():  # a generator: tf.data cannot infer the batch size
+        for i in range(0, len(x), 32):
+            yield x[i:i + 32], y[i:i + 32]
+
+    spec = (tf.TensorSpec([None, 8], tf.float32), tf.TensorSpec([None, 1], tf.float32))
+    data = tf.data.Dataset.from_generator(global_batches, output_signature=spec)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    model = build_under(strategy, dense_model)
+    callback = hb.DynamicBatching(min_sizes=[20, 20, 20], warmup_steps=1, interval=3)
+    with pytest.raises(ValueError, match=re.escape(
+            "`min_sizes` must sum to at most the global batch size 32 over the 3 replicas")):
+        model.fit(data, epochs=1, verbose=0, callbacks=[callback])
+    assert callback.history == []  # the first window gave B; no split was applied
 
 
 def test_unknown_or_positional_arguments_are_type_errors():

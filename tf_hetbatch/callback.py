@@ -106,8 +106,10 @@ class DynamicBatching(keras.callbacks.Callback):
         batch_sizes: the split applied last (None before the first split).
 
     Raises:
-        ValueError, TypeError: on invalid arguments (when constructed), and in `fit` when the
-            model is not under a tf_hetbatch strategy or the split does not fit the data.
+        ValueError, TypeError: on invalid arguments (when constructed; also `min_sizes` above
+            `max_sizes`), and in `fit` when the model is not under a tf_hetbatch strategy, the
+            split does not fit the data, or the bounds do not fit the replicas or admit no
+            split of B (at the start of `fit`, or when the first window gives an unknown B).
 
     Example:
         >>> import keras, numpy as np, tf_hetbatch as hb
@@ -139,6 +141,7 @@ class DynamicBatching(keras.callbacks.Callback):
         self.initial = _check_initial(initial)
         self.min_sizes = _check_bounds("min_sizes", min_sizes, allow_none=False)
         self.max_sizes = _check_bounds("max_sizes", max_sizes, allow_none=True)
+        _check_bounds_order(self.min_sizes, self.max_sizes)
         self.controller = _make_controller(controller, self.min_sizes, self.max_sizes)
         self._controller_arg = controller if isinstance(controller, str) or controller is None \
             else None
@@ -297,6 +300,9 @@ class DynamicBatching(keras.callbacks.Callback):
         strategy = hetero_strategy_of(self.model, "DynamicBatching")
         self._strategy = strategy
         num = strategy.num_parts
+        # On every worker alike, before any collective; B may still be unknown (then the
+        # first window gives it, see `_finish_static`).
+        _check_bounds_admit(*self._bounds(), num, strategy.global_batch_size)
         self._fit_step = 0
         self._window_steps = 0
         self._window_wall = 0.0
@@ -495,6 +501,7 @@ class DynamicBatching(keras.callbacks.Callback):
         total = strategy.global_batch_size
         if total is None:
             total = int(round(float(np.sum(sizes))))
+            _check_bounds_admit(*self._bounds(), num, total)
         if self.initial == "probe":
             throughput = np.nan_to_num(times.throughput, nan=0.0)
             if not np.any(throughput > 0):
@@ -642,6 +649,58 @@ def _check_bounds(name, value, allow_none):
         raise ValueError(f"`{name}` must be an integer >= {minimum} or a list of such integers, "
                          f"one per replica. Received: {name}={_split._fmt(value)}")
     return int(value) if np.ndim(value) == 0 else tuple(int(v) for v in items)
+
+
+def _check_bounds_order(min_sizes, max_sizes):
+    """At construction: no replica's minimum above its maximum (each already valid alone)."""
+    if max_sizes is None:
+        return
+    if isinstance(min_sizes, tuple) and isinstance(max_sizes, tuple) \
+            and len(min_sizes) != len(max_sizes):
+        raise ValueError(
+            "`min_sizes` and `max_sizes` must have the same length, one entry per replica. "
+            f"Received: min_sizes={list(min_sizes)} ({len(min_sizes)} entries), "
+            f"max_sizes={list(max_sizes)} ({len(max_sizes)} entries). Fix: give both one "
+            "entry per replica, or one int for every replica.")
+    lo, hi = np.broadcast_arrays(np.asarray(min_sizes), np.asarray(max_sizes))
+    bad = np.flatnonzero(lo > hi)
+    if bad.size:
+        where = "" if lo.ndim == 0 else f" (replica {int(bad[0])}: {int(lo.flat[bad[0]])} > " \
+            f"{int(hi.flat[bad[0]])})"
+        raise ValueError(
+            f"`min_sizes` must not exceed `max_sizes`{where}. Received: min_sizes="
+            f"{_split._fmt(_plain_bounds(min_sizes))}, max_sizes="
+            f"{_split._fmt(_plain_bounds(max_sizes))}. Fix: lower min_sizes or raise "
+            "max_sizes (max_sizes=None: no cap).")
+
+
+def _check_bounds_admit(min_sizes, max_sizes, num, total):
+    """When the replica count `num` (and the global batch `total`, None if unknown yet) is
+    known: the bounds have one entry per replica and some split of `total` satisfies them."""
+    for name, value in (("min_sizes", min_sizes), ("max_sizes", max_sizes)):
+        if value is not None and np.ndim(value) == 1 and len(value) != num:
+            raise ValueError(
+                f"`{name}` must have one entry per replica ({num}). Received: {name}="
+                f"{_split._fmt(_plain_bounds(value))} ({len(value)} entries). Fix: give "
+                f"{num} entries, or one int for every replica.")
+    if total is None:
+        return
+    lo = np.zeros(num, np.int64) if min_sizes is None else np.broadcast_to(
+        np.asarray(min_sizes, np.int64), (num,))
+    hi = np.full(num, total, np.int64) if max_sizes is None else np.minimum(
+        np.broadcast_to(np.asarray(max_sizes, np.int64), (num,)), total)
+    if int(lo.sum()) > total:
+        raise ValueError(
+            f"`min_sizes` must sum to at most the global batch size {total} over the {num} "
+            f"replicas. Received: min_sizes={_split._fmt(_plain_bounds(min_sizes))} (sum "
+            f"{int(lo.sum())}). Fix: lower min_sizes, or batch the data by at least "
+            f"{int(lo.sum())}.")
+    if int(hi.sum()) < total:
+        raise ValueError(
+            f"`max_sizes` must sum to at least the global batch size {total} over the {num} "
+            f"replicas. Received: max_sizes={_split._fmt(_plain_bounds(max_sizes))} (sum "
+            f"{int(hi.sum())}). Fix: raise max_sizes (None: no cap), or batch the data by at "
+            f"most {int(hi.sum())}.")
 
 
 def _make_controller(controller, min_sizes, max_sizes):
