@@ -223,6 +223,46 @@ def test_partial_batch_handling_is_a_per_dataset_flag_read_by_its_iterators(cpus
     assert batches == [[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 0, 0]]
 
 
+def test_tf_data_pipeline_structure_is_readable_from_its_python_objects():
+    # tf_hetbatch.input_work moves per-sample maps after the split by reading this structure.
+    ds = tf.data.Dataset.from_tensor_slices(np.arange(10)).shuffle(10, seed=1)
+    ds = ds.map(lambda x: x * 2, num_parallel_calls=3, deterministic=False).batch(4).prefetch(2)
+    steps = _compat.pipeline_steps(ds)
+    assert [s.kind for s in steps] == ["prefetch", "batch", "map", "shuffle", "other"]
+    prefetch, batch, mapped, shuffle, _ = steps
+    assert prefetch.buffer_size == 2
+    assert (batch.batch_size, batch.drop_remainder) == (4, False)
+    assert (mapped.num_parallel_calls, mapped.deterministic) == (3, False)
+    assert callable(mapped.map_function)
+    assert shuffle.buffer_size == 10 and shuffle.seeded
+    tf.random.set_seed(None)  # no global seed (another test may have set one)
+    unseeded = _compat.pipeline_steps(tf.data.Dataset.range(4).shuffle(4))[0]
+    assert unseeded.kind == "shuffle" and not unseeded.seeded
+    # The replayed map is the same traced function on a new input.
+    replayed = _compat.replay_map(tf.data.Dataset.from_tensor_slices(np.arange(5)), mapped)
+    assert replayed._map_func.function is mapped.dataset._map_func.function
+    assert list(replayed.as_numpy_iterator()) == [0, 2, 4, 6, 8]
+    # The split marker adds no op.
+    marked = _compat.mark_split(ds)
+    assert marked._variant_tensor is ds._variant_tensor
+    assert _compat.pipeline_steps(marked)[0].kind == "split_marker"
+
+
+def test_keras_array_input_is_index_batches_zipped_with_the_arrays_then_gathered():
+    from keras.src.trainers.data_adapters import array_data_adapter
+
+    adapter = array_data_adapter.ArrayDataAdapter(
+        np.zeros((10, 3), "float32"), np.arange(10), batch_size=4, shuffle=True
+    )
+    steps = _compat.pipeline_steps(adapter.get_tf_dataset())
+    assert [s.kind for s in steps] == ["prefetch", "options", "options", "map", "other"]
+    found = _compat.keras_array_gather(steps[3])
+    assert found is not None
+    indices, arrays = found
+    assert indices.element_spec.shape.rank == 1 and indices.element_spec.dtype == tf.int64
+    assert type(arrays).__name__ == "_RepeatDataset"
+
+
 def test_coordination_barrier_is_the_context_method():
     """`_compat.wait_at_coordination_barrier` (tensorflow/tensorflow#58434, used by
     tf_hetbatch.clean_exit at exit): the eager context's `wait_at_barrier(barrier_id,

@@ -118,3 +118,88 @@ def test_switch_right_after_a_validation_pass(tmp_path):
     switch = 11 + SWITCH_MARGIN
     assert all(s == [16.0, 16.0] for s in samples[0][:switch])
     assert all(s == [6.0, 26.0] for s in samples[0][switch:])
+
+
+def assert_every_sample_once_per_epoch(outputs, n, epochs):
+    ids = np.concatenate([w["ids"] for w, _ in outputs])
+    np.testing.assert_array_equal(np.bincount(ids, minlength=n), np.full(n, epochs))
+
+
+@pytest.mark.parametrize("pipeline", ["per-sample-map", "marked"])
+def test_each_worker_maps_only_its_own_samples(tmp_path, pipeline):
+    # 330 samples: a partial last batch of 10; an uneven split switched mid-epoch; a
+    # sample-weighted mean loss (its weights come out of the map, so after the split).
+    n = 330
+    outputs = run_cluster(
+        tmp_path, 2, "--n", str(n), "--sizes", "5,27", "--switch-step", "4",
+        "--switch-sizes", "20,12", "--sample-weight", "--pipeline", pipeline,
+    )
+    ref = reference_weights(n=n, weighted=True)
+    assert_every_worker_equals(ref, outputs)
+    assert_every_sample_once_per_epoch(outputs, n, 2)
+    per_epoch = [np.diff(np.array([[0, 0]] + info["per_epoch"]), axis=0) for _, info in outputs]
+    for counts in per_epoch:
+        # In epoch 2 the map ran once per sample this worker's replica trained on, nothing
+        # more (epoch 1 adds the batches Keras's first build prefetched, as without a split).
+        mapped, trained = counts[1]
+        assert mapped == trained
+    assert sum(counts[1][0] for counts in per_epoch) == n  # no worker mapped all n
+
+
+def test_three_workers_gather_only_their_own_array_rows(tmp_path):
+    n = 330
+    outputs = run_cluster(tmp_path, 3, "--n", str(n), "--sizes", "4,8,20", "--epochs", "1",
+                          "--pipeline", "keras-arrays", "--validation", "96")
+    ref = reference_weights(n=n, epochs=1)
+    assert_every_worker_equals(ref, outputs)
+    assert_every_sample_once_per_epoch(outputs, n, 1)
+    stock = run_cluster(tmp_path / "stock", 3, "--n", str(n), "--sizes", "4,8,20", "--epochs",
+                        "1", "--validation", "96")
+    for (_, ours), (_, theirs) in zip(outputs, stock):
+        assert ours["history"]["val_loss"] == pytest.approx(theirs["history"]["val_loss"])
+
+
+def run_failing_cluster(out, num_workers, *args, timeout=240):
+    log = io.StringIO()
+    result = launch(
+        [WORKER, "--out", str(out), *args], num_workers, threads=1, timeout=timeout,
+        stdout=log, stderr=log, handle_signals=False,
+    )
+    assert not result.ok, "the job should have stopped with an error"
+    return log.getvalue()
+
+
+def test_an_unseeded_shuffle_gets_a_seed_agreed_by_all_workers(tmp_path):
+    n = 320
+    outputs = run_cluster(tmp_path, 2, "--unseeded", "--pipeline", "per-sample-map",
+                          "--sizes", "8,24")
+    assert_every_sample_once_per_epoch(outputs, n, 2)
+    # Still a new order every epoch (worker 1's first 24 samples of each epoch).
+    ids = outputs[1][0]["ids"]
+    half = len(ids) // 2
+    assert not np.array_equal(ids[:24], ids[half:half + 24])
+
+
+@pytest.mark.parametrize("pipeline", ["keras-arrays", "reorder"])
+def test_workers_that_train_different_global_batches_stop_with_the_cause(tmp_path, pipeline):
+    # Keras's fit(x, y, shuffle=True) draws its permutation with no seed; a parallel map with
+    # deterministic=False in a pipeline that runs unsplit reorders samples differently on
+    # each worker. The first collective (a callback's, after step 1) finds it.
+    log = run_failing_cluster(tmp_path, 2, "--unseeded", "--pipeline", pipeline,
+                              "--switch-step", "20", "--switch-sizes", "16,16")
+    assert "trained different global batches in the last 1 steps" in log
+    assert "Fix: seed every shuffle" in log
+
+
+def test_an_unrecognised_pipeline_runs_unsplit_says_why_and_stays_exact(tmp_path):
+    log = io.StringIO()
+    result = launch(
+        [WORKER, "--out", str(tmp_path), "--pipeline", "batch-map", "--sizes", "5,27"], 2,
+        threads=1, timeout=240, stdout=log, stderr=log, handle_signals=False,
+    )
+    assert result.ok, result.message + "\n" + log.getvalue()[-4000:]
+    text = log.getvalue()
+    assert text.count("The input pipeline runs unsplit") == 1  # the chief, once
+    assert "split_here()" in text
+    outputs = [(np.load(os.path.join(tmp_path, f"worker{i}.npz")), None) for i in range(2)]
+    assert_every_worker_equals(reference_weights(), outputs)

@@ -21,6 +21,7 @@ _PUBLIC = {
     "HeteroParameterServerStrategy": "tf_hetbatch.parameter_server",
     "ReplicaTimes": "tf_hetbatch.timing",
     "Staleness": "tf_hetbatch.parameter_server",
+    "split_here": "tf_hetbatch.input_work",
     # Keras callbacks.
     "DynamicBatching": "tf_hetbatch.callback",
     "ResumableCheckpoint": "tf_hetbatch.recovery",
@@ -51,6 +52,7 @@ __all__ = [
     "HeteroParameterServerStrategy",
     "ReplicaTimes",
     "Staleness",
+    "split_here",
     "DynamicBatching",
     "ResumableCheckpoint",
     "AsyncTrainer",

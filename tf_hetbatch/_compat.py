@@ -417,6 +417,238 @@ def disable_partial_batch_handling(distributed):
     return distributed
 
 
+# --- The structure of a tf.data pipeline (tensorflow, no public API) ----------------------------
+# To move per-sample input work after the split (`tf_hetbatch.input_work`), the strategy reads
+# how a pipeline was built: each Python `Dataset` of a transformation keeps its input in
+# `_input_dataset`, a map its function (`_map_func`: a StructuredFunctionWrapper whose
+# `.function` is the traced concrete function, `._func` the Python function, `.output_structure`
+# its output spec) and its parallelism (`_num_parallel_calls`, `_deterministic`), a batch its
+# `_batch_size` / `_drop_remainder`, a prefetch its `_buffer_size`, a shuffle its `_buffer_size`,
+# `_seed`, `_seed2` and `_reshuffle_each_iteration` (TF 2.21). Public tf.data has no such view
+# (tensorflow/tensorflow#41337 asks for one). Anything not recognised here is "other": the
+# pipeline then runs unsplit, as before, so an upstream change costs speed, never correctness.
+_TRANSFORM_KINDS = {
+    "_PrefetchDataset": "prefetch",
+    "_OptionsDataset": "options",
+    "_BatchDataset": "batch",
+    "_ParallelBatchDataset": "batch",
+    "_MapDataset": "map",
+    "_ParallelMapDataset": "map",
+    "_ShuffleDataset": "shuffle",
+}
+
+
+class PipelineStep:
+    """One transformation of a tf.data pipeline, as `pipeline_steps` reads it.
+
+    Attributes:
+        kind: "prefetch", "options", "batch", "map", "shuffle", "split_marker" or "other".
+        dataset: the transformation's output dataset.
+        input: its single input dataset, or None (a source, or several inputs).
+        batch_size / drop_remainder: a batch's static size and flag (None if not constant).
+        num_parallel_calls / deterministic: a map's (1 / None for a sequential map).
+        buffer_size: a prefetch's or a shuffle's.
+        seeded: a shuffle's: whether it was given a seed (op-level or global).
+    """
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        name = type(dataset).__name__
+        self.kind = _TRANSFORM_KINDS.get(name, "other")
+        if isinstance(dataset, _SplitMarker):
+            self.kind = "split_marker"
+        self.input = getattr(dataset, "_input_dataset", None)
+        if not isinstance(self.input, tf.data.Dataset):
+            self.input = None
+            if self.kind != "other":
+                self.kind = "other"
+        self.batch_size = self.drop_remainder = self.buffer_size = None
+        self.num_parallel_calls, self.deterministic, self.seeded = 1, None, False
+        if self.kind == "batch":
+            self.batch_size = _constant_or_none(getattr(dataset, "_batch_size", None))
+            self.drop_remainder = _constant_or_none(getattr(dataset, "_drop_remainder", None))
+            if self.batch_size is None or self.drop_remainder is None:
+                self.kind = "other"
+        elif self.kind == "map":
+            wrapper = getattr(dataset, "_map_func", None)
+            if not all(hasattr(wrapper, a) for a in ("function", "_func", "output_structure")):
+                self.kind = "other"
+            self.num_parallel_calls = _constant_or_none(
+                getattr(dataset, "_num_parallel_calls", 1)
+            )
+            self.deterministic = {"true": True, "false": False}.get(
+                getattr(dataset, "_deterministic", "default"), None
+            )
+        elif self.kind in ("prefetch", "shuffle"):
+            self.buffer_size = _constant_or_none(getattr(dataset, "_buffer_size", None))
+            if self.buffer_size is None:
+                self.kind = "other"
+            if self.kind == "shuffle":
+                # random_seed.get_seed gives (None, None) with no op seed and no global seed.
+                self.seeded = getattr(dataset, "_seed", None) not in (None, 0) or getattr(
+                    dataset, "_seed2", None
+                ) not in (None, 0)
+
+    @property
+    def name(self):
+        return type(self.dataset).__name__
+
+    @property
+    def map_function(self):
+        """A map's Python function (the one passed to `Dataset.map`)."""
+        return self.dataset._map_func._func
+
+
+def _constant_or_none(value):
+    if value is None:
+        return None
+    if isinstance(value, (bool, int)):
+        return value
+    try:
+        constant = tf.get_static_value(value)
+    except (TypeError, ValueError):  # pragma: no cover - e.g. a symbolic tensor
+        return None
+    return None if constant is None else constant.item()
+
+
+def pipeline_steps(dataset):
+    """The transformations of `dataset`, outermost first, down to the first with no single
+    input (a source, a zip, a concatenation, ...), which is listed as "other"."""
+    steps = []
+    while dataset is not None:
+        step = PipelineStep(dataset)
+        steps.append(step)
+        if step.kind == "other":
+            break
+        dataset = step.input
+    return steps
+
+
+def first_map_below(dataset):
+    """The name of the transformation just above the first map found under `dataset`
+    (following single inputs through anything), or None if there is no map."""
+    above = None
+    while isinstance(dataset, tf.data.Dataset):
+        if _TRANSFORM_KINDS.get(type(dataset).__name__) == "map":
+            return type(above).__name__ if above is not None else None
+        above, dataset = dataset, getattr(dataset, "_input_dataset", None)
+    return None
+
+
+def replay_map(dataset, step, num_parallel_calls=None):
+    """`step`'s map (a "map" PipelineStep) applied to `dataset`, deterministically.
+
+    Reuses the traced function itself (same graph, same captured state and seeds) when
+    `dataset`'s elements have the spec it was traced for, and traces the Python function again
+    otherwise (e.g. batches of another size than a static one). Parallelism is the original
+    map's (or `num_parallel_calls`); order is always kept, whatever the original asked for.
+    """
+    from tensorflow.python.data.ops import dataset_ops
+    from tensorflow.python.data.ops import structured_function
+    from tensorflow.python.ops import gen_dataset_ops
+
+    calls = step.num_parallel_calls if num_parallel_calls is None else num_parallel_calls
+    calls = 1 if calls is None else calls
+    wrapper = step.dataset._map_func
+    if not _accepts(step.input.element_spec, dataset.element_spec):
+        return dataset.map(wrapper._func, num_parallel_calls=None if calls == 1 else calls,
+                           deterministic=True)
+
+    class _ReplayedMap(dataset_ops.UnaryDataset):
+        def __init__(self, input_dataset):
+            self._input_dataset = input_dataset
+            self._map_func = wrapper
+            self._name = None
+            if calls == 1:
+                variant = gen_dataset_ops.map_dataset(
+                    input_dataset._variant_tensor, wrapper.function.captured_inputs,
+                    f=wrapper.function, use_inter_op_parallelism=True,
+                    preserve_cardinality=True, **self._common_args,
+                )
+            else:
+                variant = gen_dataset_ops.parallel_map_dataset_v2(
+                    input_dataset._variant_tensor, wrapper.function.captured_inputs,
+                    f=wrapper.function,
+                    num_parallel_calls=tf.constant(calls, tf.int64),
+                    deterministic="true", preserve_cardinality=True, **self._common_args,
+                )
+            super().__init__(input_dataset, variant)
+
+        def _functions(self):
+            return [wrapper]
+
+        @property
+        def element_spec(self):
+            return wrapper.output_structure
+
+    del structured_function  # imported to fail here, not later, if upstream moves it
+    return _ReplayedMap(dataset)
+
+
+def _accepts(traced_for, spec):
+    """Whether a function traced for elements `traced_for` takes elements `spec` as they are
+    (the same structure, each component a subtype: e.g. not [None] for a traced [32])."""
+    try:
+        tf.nest.assert_same_structure(traced_for, spec)
+    except (TypeError, ValueError):
+        return False
+    return all(new.is_subtype_of(old)
+               for old, new in zip(tf.nest.flatten(traced_for), tf.nest.flatten(spec)))
+
+
+def reseed_shuffle(step, dataset, seed):
+    """`step`'s shuffle (unseeded) rebuilt over `dataset` with `seed`: same buffer, same
+    reshuffling every iteration (each epoch still gets a new order, the same on every worker)."""
+    return dataset.shuffle(
+        step.buffer_size, seed=seed,
+        reshuffle_each_iteration=bool(getattr(step.dataset, "_reshuffle_each_iteration", True)),
+    )
+
+
+def _split_marker_class():
+    from tensorflow.python.data.ops import dataset_ops
+
+    class SplitMarker(dataset_ops.UnaryUnchangedStructureDataset):
+        """Its input, unchanged (no op of its own): marks where a tf_hetbatch strategy splits."""
+
+        def __init__(self, input_dataset):
+            self._input_dataset = input_dataset
+            super().__init__(input_dataset, input_dataset._variant_tensor)
+
+    return SplitMarker
+
+
+_SplitMarker = _split_marker_class()
+
+
+def mark_split(dataset):
+    """`dataset` itself, marked as the place where the global batch is split (no cost)."""
+    return _SplitMarker(dataset)
+
+
+# --- Keras's array input (keras: trainers/data_adapters/array_data_adapter.py) -----------------
+# `fit(x, y, batch_size=B)` builds batches of sample indices, zips them with the whole arrays
+# (`from_tensors(arrays).repeat()`) and gathers each batch in a parallel map (`grab_batch`).
+# The gather works row by row, so a worker can gather only its own replicas' indices.
+def keras_array_gather(step):
+    """For the map step of Keras's array input: (index-batch dataset, arrays dataset), else None."""
+    if step.kind != "map" or step.input is None:
+        return None
+    func = step.map_function
+    if getattr(func, "__name__", "") != "grab_batch" or "array_data_adapter" not in getattr(
+        func, "__module__", ""
+    ):
+        return None
+    zipped = step.input
+    inputs = getattr(zipped, "_datasets", None)
+    if type(zipped).__name__ != "_ZipDataset" or not isinstance(inputs, tuple) or len(inputs) != 2:
+        return None
+    indices, arrays = inputs
+    if type(arrays).__name__ != "_RepeatDataset" or indices.element_spec.shape.rank != 1:
+        return None
+    return indices, arrays
+
+
 # --- A barrier of all tasks of a multi-worker cluster (tensorflow: no public API) -------------
 # tensorflow/tensorflow#58434: the tasks of a MultiWorkerMirroredStrategy cluster that exit one
 # at a time can end a successful run with "StartAbort UNAVAILABLE" error lines (a task outliving

@@ -123,6 +123,13 @@ class Allocation:
                 self.totals = variable(
                     tf.zeros([self.TOTALS, 2], tf.float32), "hetbatch_step_totals"
                 )
+                # Row key % TOTALS: a fingerprint of that step's global batch; `fingerprint`
+                # sums those of the steps trained, so workers can check that they trained the
+                # same global batches (`batch_fingerprint`).
+                self.fingerprints = variable(
+                    tf.zeros([self.TOTALS], tf.int64), "hetbatch_batch_fingerprints"
+                )
+                self.fingerprint = variable(tf.constant(0, tf.int64), "hetbatch_fingerprint")
             else:
                 self.bounds = variable(zeros, "hetbatch_split_bounds")
             self.trained = variable(tf.constant(0, tf.int64), "hetbatch_steps_trained")
@@ -155,8 +162,14 @@ class Allocation:
         return self.totals.read_value()[self.trained.read_value() % self.TOTALS]
 
     def count_trained_step(self):
-        """In the train step (cross-replica context): one more step trained, skip cleared."""
-        return tf.group(self.trained.assign_add(1), self.skip.assign(0))
+        """In the train step (cross-replica context): one more step trained, skip cleared
+        (several workers: its global batch's fingerprint added to the trained ones')."""
+        if not self.keyed_by_step:
+            return tf.group(self.trained.assign_add(1), self.skip.assign(0))
+        row = self.fingerprints.read_value()[self.trained.read_value() % self.TOTALS]
+        added = self.fingerprint.assign_add(row)
+        with tf.control_dependencies([added]):
+            return tf.group(self.trained.assign_add(1), self.skip.assign(0))
 
     def _bounds_for_key(self, key):
         """In-graph, several workers: the bounds in force for the global batch with this key."""
@@ -167,7 +180,7 @@ class Allocation:
         slot = tf.argmax(tf.where(candidates, self.sequence.read_value(), -1))
         return tf.gather(self.bounds.read_value(), slot)
 
-    def annotate(self, dataset, emit):
+    def annotate(self, dataset, emit, weights_in_raw=True):
         """One pass over the global batches: skip, look up the split, check.
 
         Each element becomes `emit(element, sizes)`:
@@ -178,6 +191,9 @@ class Allocation:
         - a batch with more samples than the split sums to is an error, and so is one after a
           short batch (fewer samples than the split sums to, which must be the last of the
           data): the data is batched by another size than sum(batch_sizes).
+
+        `weights_in_raw=False`: the batches are not yet Keras's (x, y, sample_weight), so
+        their summed sample weight is unknown here (recorded as NaN).
         """
         num_replicas = self.num_replicas
 
@@ -198,7 +214,10 @@ class Allocation:
                         ),
                         self.produced.assign_add(1),
                         self.totals.scatter_nd_update(
-                            [[key % self.TOTALS]], [_step_amounts(element, n)]
+                            [[key % self.TOTALS]], [_step_amounts(element, n, weights_in_raw)]
+                        ),
+                        self.fingerprints.scatter_nd_update(
+                            [[key % self.TOTALS]], [batch_fingerprint(element)]
                         ),
                     ]
                 else:
@@ -267,11 +286,40 @@ class Allocation:
         return _per_iterator(dataset, start, per_iterator)
 
 
-def _step_amounts(element, n):
+_SAME_SIZE_INT = {1: tf.int8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
+
+
+def batch_fingerprint(element):
+    """In-graph int64 fingerprint of a global batch: its values and the order of its samples.
+
+    Each component's bits (strings hashed) are summed per sample, and the samples' sums are
+    weighted by their positions, with wrapping integer arithmetic: the same batch gives the
+    same value on every worker, bit for bit; other samples, or the same in another order,
+    almost surely another. Straight-line ops only (it runs in the inline bookkeeping map).
+    """
+    total = tf.constant(0, tf.int64)
+    for t in tf.nest.flatten(element):
+        if not isinstance(t, tf.Tensor) or t.shape.rank == 0:
+            continue
+        if t.dtype == tf.string:
+            bits = tf.strings.to_hash_bucket_fast(t, 2**62)
+        elif t.dtype.is_floating or t.dtype.is_complex:  # complex128: two int64 per value
+            bits = tf.bitcast(t, _SAME_SIZE_INT[min(t.dtype.size, 8)])
+        else:
+            bits = t
+        bits = tf.cast(tf.reshape(bits, [tf.shape(t)[0], -1]), tf.int64)
+        positions = tf.range(1, tf.shape(t, out_type=tf.int64)[0] + 1)
+        total += tf.reduce_sum(tf.reduce_sum(bits, axis=1) * (positions * 2654435761 + 1))
+    return total
+
+
+def _step_amounts(element, n, weights_in_raw=True):
     """float32 [2]: a global batch's samples (`n`) and summed sample weight (Keras's
-    (x, y, sample_weight) tuples; the samples where it has none)."""
+    (x, y, sample_weight) tuples; the samples where it has none; NaN if not `weights_in_raw`)."""
     samples = tf.cast(n, tf.float32)
-    if isinstance(element, tuple) and len(element) == 3 and element[2] is not None:
+    if not weights_in_raw:
+        weight = tf.constant(float("nan"))
+    elif isinstance(element, tuple) and len(element) == 3 and element[2] is not None:
         weight = tf.add_n([tf.reduce_sum(tf.cast(w, tf.float32))
                            for w in tf.nest.flatten(element[2])])
     else:
@@ -307,12 +355,13 @@ def _assert(condition, message, data):
 
 
 def split_global_batches(
-    dataset, allocation, num_replicas, replica_range=None, evaluation=False
+    dataset, allocation, num_replicas, replica_range=None, evaluation=False, plan=None
 ):
     """Turns a dataset of global batches into one of per-replica batches, K per global batch.
 
     Args:
         dataset: `tf.data.Dataset` of global batches (every component batched on axis 0).
+            Ignored if `plan` is given: its raw global batches are split instead.
         allocation: the strategy's `Allocation`.
         num_replicas: K, the number of replicas in sync (over all workers).
         replica_range: optional (first, count): emit only the slices of replicas
@@ -332,6 +381,9 @@ def split_global_batches(
     small model's step on 2 cores (see BUILD_NOTES, "Overhead").
     """
     first, count = replica_range if replica_range is not None else (0, num_replicas)
+    finish = plan.finish_slice if plan is not None else None
+    if plan is not None:
+        dataset = plan.raw
 
     def to_slices(element, sizes):
         flat = tf.nest.flatten(element)
@@ -345,17 +397,20 @@ def split_global_batches(
                 columns.append([t[ends[k] - sizes[k]:ends[k]] for k in range(num_replicas)])
         slices = None
         for k in range(first, first + count):
-            piece = tf.data.Dataset.from_tensors(
-                tf.nest.pack_sequence_as(element, [column[k] for column in columns])
-            )
+            own = tf.nest.pack_sequence_as(element, [column[k] for column in columns])
+            piece = tf.data.Dataset.from_tensors(own) if finish is None else finish(own)
             slices = piece if slices is None else slices.concatenate(piece)
         return slices
 
     if evaluation:
         per_batch = allocation.annotate_evaluation(dataset, to_slices)
     else:
-        per_batch = allocation.annotate(dataset, to_slices)
-    return per_batch.flat_map(_itself)
+        weights_in_raw = plan is None or plan.weights_in_raw
+        per_batch = allocation.annotate(dataset, to_slices, weights_in_raw)
+    slices = per_batch.flat_map(_itself)
+    if plan is not None and plan.finish_slices is not None:
+        slices = plan.finish_slices(slices)
+    return slices
 
 
 def _itself(dataset):

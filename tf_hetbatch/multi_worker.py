@@ -8,7 +8,7 @@ import tensorflow as tf
 from tf_hetbatch import _compat
 from tf_hetbatch import clean_exit
 from tf_hetbatch import weighting
-from tf_hetbatch.strategy import HeteroMixin
+from tf_hetbatch.strategy import HeteroMixin, weighting_amount
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,12 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
     def _step_total(self, data, mode):
         # Every worker's pipeline saw the whole global batch and kept its totals for the step
         # it is trained in: no collective before the step's compute (a worker waiting in one
-        # for a slower worker would count that wait as its own work, see timing.py).
+        # for a slower worker would count that wait as its own work, see timing.py). Sample
+        # weights made by per-sample maps that run after the split are known per worker only:
+        # their global sum takes an all-reduce (only for a `mean_with_sample_weight` loss).
+        if mode == weighting.SAMPLE_WEIGHT and not self._weights_in_pipeline:
+            amounts = self.run(lambda d: weighting_amount(d, mode), args=(data,))
+            return self.reduce(tf.distribute.ReduceOp.SUM, amounts, axis=None)
         inputs = [t for local in self.experimental_local_results(data)
                   for t in tf.nest.flatten(local) if isinstance(t, tf.Tensor)]
         with tf.control_dependencies(inputs):  # the pipeline wrote them when producing these
@@ -83,7 +88,11 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
     def _gather_local_rows(self, local_values):
         # An all-reduce SUM of a [K, n] table where each replica fills its own row: one small
         # collective, traced once per n (the stock eager `gather` retraces on every call).
+        # Every gather also compares the workers' fingerprints of the global batches trained
+        # so far (`_check_same_global_batches`): a last column, the same on all local replicas.
         rows = local_values.reshape(local_values.shape[0], -1)
+        fingerprint = float(int(self._allocation.fingerprint.numpy()) % 2**52)  # exact in f64
+        rows = np.concatenate([rows, np.full((rows.shape[0], 1), fingerprint)], axis=1)
         first, count = self._replica_range()
         width = rows.shape[1]
         tables = []
@@ -99,10 +108,33 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
                 lambda v: self.reduce(tf.distribute.ReduceOp.SUM, v, axis=None)
             )
         gathered = self._sum_tables(per_replica).numpy()
-        return gathered.reshape((self.num_replicas_in_sync,) + local_values.shape[1:])
+        self._check_same_global_batches(gathered[:, -1])
+        return gathered[:, :-1].reshape((self.num_replicas_in_sync,) + local_values.shape[1:])
+
+    def _check_same_global_batches(self, fingerprints):
+        if np.all(fingerprints == fingerprints[0]):
+            return
+        differ = [int(k) for k in np.flatnonzero(fingerprints != fingerprints[0])]
+        raise RuntimeError(
+            "The workers trained different global batches in the last "
+            f"{int(self._allocation.trained.numpy())} steps: their input pipelines do not "
+            f"produce the same sequence (replicas {differ} disagree with replica 0), so some "
+            "samples were trained twice and others never. Likely causes: a shuffle or "
+            "tf.random op with no seed (e.g. fit(x, y, shuffle=True) with no "
+            "keras.utils.set_random_seed), a map or interleave with deterministic=False, or "
+            "different files or file order per worker. Fix: seed every shuffle (the same seed "
+            "on every worker, e.g. keras.utils.set_random_seed(0) before building the data), "
+            "keep the maps before batch() deterministic, and give every worker the same files "
+            "in the same order."
+        )
 
     def _keyed_by_step(self):
         return True
+
+    def _agree_on_seed(self):
+        # Worker 0's draw, sent to every worker in one small collective.
+        draw = float(np.random.default_rng().integers(2**31 - 1))
+        return int(self._gather_local_rows(np.full(self._num_local_replicas(), draw))[0])
 
     def _time_from_release(self):
         return True  # each worker's own work between steps is its cost (see timing.py)

@@ -308,6 +308,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
 
     def _save(self, epoch: int, batch: int) -> None:
         strategy = self._strategy
+        strategy.check_input_agreement()  # never a checkpoint of steps on different batches
         if not strategy.is_chief:
             return
         sizes = strategy.batch_sizes

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from tf_hetbatch import _compat
 from tf_hetbatch import input_split
+from tf_hetbatch import input_work
 from tf_hetbatch import split
 from tf_hetbatch import timing
 from tf_hetbatch import weighting
@@ -32,6 +33,11 @@ class HeteroMixin:
         # Set once a model with plain BatchNormalization trains: no replica may get 0 samples.
         self._needs_nonempty_replicas = False
         self._data_global_batch: Optional[int] = None
+        # False once the training data's per-sample work runs after the split: its sample
+        # weights are then known per worker only (see the multi-worker `_step_total`).
+        self._weights_in_pipeline = True
+        self._said_unsplit = set()  # ids of datasets whose unsplit input was logged
+        self._split_input_work = True
         self._timing = timing.TimingAccumulators(
             self, self._num_local_replicas(), from_release=self._time_from_release()
         )
@@ -92,6 +98,27 @@ class HeteroMixin:
         self._allocation.install(sizes, self._switch_start())
         self._batch_sizes = tuple(sizes)
         logger.debug("batch sizes set to %s", self._batch_sizes)
+
+    @property
+    def split_input_work(self) -> bool:
+        """Whether each worker does the per-sample input work of its own samples only.
+
+        True by default: for the pipelines `tf_hetbatch.input_work` recognises (per-sample
+        maps right before `batch`, Keras's array input, `split_here()`), every worker reads the
+        same global batches but decodes and augments only its own replicas' samples. False
+        runs every pipeline as written on every worker (each then keeps its slices), e.g. to
+        measure the difference. Set it before the data is distributed (before `fit`).
+        """
+        return self._split_input_work
+
+    @split_input_work.setter
+    def split_input_work(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"`split_input_work` must be True or False. Received: {value!r}. Fix: "
+                "strategy.split_input_work = False to run every pipeline unsplit."
+            )
+        self._split_input_work = value
 
     # ----------------------------------------------------------------- resuming ----------------
     @property
@@ -201,17 +228,52 @@ class HeteroMixin:
         self.restart_step_clock()
         num_replicas = self.num_replicas_in_sync
         replica_range = self._replica_range()
+        several_workers = self._num_local_replicas() < num_replicas
+        owns_every_replica = not several_workers or not self._split_input_work
+        seed = None
+        if several_workers and not evaluation and input_work.has_unseeded_shuffle(dataset):
+            seed = self._agree_on_seed()  # a collective: every worker distributes the same data
+        plans = []
 
         def dataset_fn(input_context):
             del input_context  # every worker reads every global batch; see _replica_range
+            plan = input_work.plan(dataset, owns_every_replica, seed, evaluation)
+            plans.append(plan)
             return input_split.split_global_batches(
-                dataset, self._allocation, num_replicas, replica_range, evaluation=evaluation
+                dataset, self._allocation, num_replicas, replica_range, evaluation=evaluation,
+                plan=plan,
             )
 
         distributed = self.distribute_datasets_from_function(dataset_fn, options)
         if not self._partial_batch_handling():
             _compat.disable_partial_batch_handling(distributed)
+        if plans and not evaluation:
+            self._weights_in_pipeline = plans[0].weights_in_raw
+        if plans and plans[0].reason and self._is_chief() and id(dataset) not in self._said_unsplit:
+            self._said_unsplit.add(id(dataset))
+            logger.warning(
+                "The input pipeline runs unsplit: every worker does all of its per-sample work "
+                "for every global batch, not only for its own samples, because %s.",
+                plans[0].reason,
+            )
         return distributed
+
+    def check_input_agreement(self) -> None:
+        """Checks that every worker has trained the same global batches so far.
+
+        Several workers: one small collective (call it on every worker at the same point);
+        every `gather_replica_values`, `read_replica_times` and `set_batch_sizes` checks the
+        same on the way. One host: nothing to check.
+
+        Raises:
+            RuntimeError: the workers' input pipelines produced different global batches
+                (naming the likely causes and the fix).
+        """
+        self._gather_local_rows(np.zeros(self._num_local_replicas()))
+
+    def _agree_on_seed(self):
+        """A shuffle seed every worker agrees on (one host: none needed)."""
+        return None
 
     def _check_dataset(self, dataset, evaluation=False):
         if isinstance(dataset, tf.distribute.DistributedDataset):
@@ -291,7 +353,7 @@ class HeteroMixin:
         def replica_fn(*replica_args, **replica_kwargs):
             weight = None
             if mode != weighting.NONE:
-                weight = self._replica_weight(_weighting_amount(replica_args[0], mode), total)
+                weight = self._replica_weight(weighting_amount(replica_args[0], mode), total)
             # The step starts when this replica's inputs are there. The stamp gates nothing:
             # the replica's work starts with its inputs, not after the stamp (see _start_stamp).
             replica_args, start_time, samples = _start_stamp(replica_args, check_nonempty)
@@ -326,7 +388,7 @@ class HeteroMixin:
         (several workers read it from their pipelines, see the subclass).
         """
         return tf.add_n(
-            [_weighting_amount(d, mode) for d in self.experimental_local_results(data)]
+            [weighting_amount(d, mode) for d in self.experimental_local_results(data)]
         )
 
     def _replica_weight(self, amount, total):
@@ -488,7 +550,7 @@ def _all_distributed(data):
     return bool(flat) and all(_is_distributed(t) for t in flat)
 
 
-def _weighting_amount(data, mode):
+def weighting_amount(data, mode):
     """What replica k's weight is proportional to: its samples, or its summed sample weight."""
     x, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if mode == weighting.SAMPLE_WEIGHT and sample_weight is not None:

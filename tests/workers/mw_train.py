@@ -7,7 +7,9 @@ split mid-run from a callback, and saves weights and ids to <out>/worker<i>.npz.
 
 import argparse
 import json
+import logging
 import os
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -105,7 +107,19 @@ def main():
     parser.add_argument("--validation", type=int, default=0, help="validation samples")
     parser.add_argument("--sample-weight", action="store_true",
                         help="(x, y, sample_weight) data and a sample-weighted mean loss")
+    parser.add_argument("--pipeline", default="batches",
+                        choices=["batches", "per-sample-map", "keras-arrays", "marked",
+                                 "batch-map", "reorder"],
+                        help="batches: from_tensor_slices(...).batch(B); per-sample-map: a "
+                        "counting map per sample before batch(B); keras-arrays: fit(x, y, "
+                        "batch_size=B); marked: a counting batch-level map after "
+                        "batch(B).apply(split_here()); batch-map: an unmarked map after "
+                        "batch(B) (runs unsplit); reorder: as batch-map, after a parallel "
+                        "per-sample map with deterministic=False that reorders")
+    parser.add_argument("--unseeded", action="store_true",
+                        help="no global seed; the data is shuffled with no seed")
     args = parser.parse_args()
+    logging.getLogger("tf_hetbatch").setLevel(logging.INFO)
 
     strategy = hb.HeteroMultiWorkerMirroredStrategy()
     if args.sizes:
@@ -119,13 +133,64 @@ def main():
         callbacks.append(switch)
     x, y = data(args.n)
     columns = (x, y, sample_weights(args.n)) if args.sample_weight else (x, y)
-    ds = tf.data.Dataset.from_tensor_slices(columns).batch(args.batch)
+    # Samples the training pipeline's map worked on (this worker's copy of the pipeline).
+    mapped = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def per_sample(*sample):  # raw x is scaled by 2: the map's work must reach the model
+        mapped.assign_add(1)
+        return (sample[0] * 0.5, *sample[1:])
+
+    def per_batch(*batch):
+        mapped.assign_add(tf.shape(batch[0], out_type=tf.int64)[0])
+        return (batch[0] * 0.5, *batch[1:])
+
+    raw = (columns[0] * 2.0, *columns[1:])
+    if args.unseeded:
+        tf.random.set_seed(None)  # build() seeded everything; the data here is not
+
+    def source(values):
+        ds = tf.data.Dataset.from_tensor_slices(values)
+        return ds.shuffle(args.n) if args.unseeded else ds
+
+    def jittered(*sample):  # a random delay, so a parallel map's outputs come out of order
+        delay = tf.py_function(lambda: time.sleep(np.random.uniform(0, 0.002)) or 0.0, [],
+                               tf.float32)
+        with tf.control_dependencies([delay]):
+            return per_sample(*sample)
+
+    class PerEpoch(keras.callbacks.Callback):  # (mapped, trained) samples of this worker
+        def __init__(self):
+            super().__init__()
+            self.counts = []
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.counts.append([int(mapped.numpy()), len(sink.items)])
+
+    per_epoch = PerEpoch()
+    callbacks.append(per_epoch)
+    if args.pipeline == "per-sample-map":
+        ds = source(raw).map(per_sample).batch(args.batch)
+    elif args.pipeline == "marked":
+        ds = source(raw).batch(args.batch).apply(hb.split_here()).map(per_batch)
+    elif args.pipeline == "batch-map":
+        ds = source(raw).batch(args.batch).map(per_batch)
+    elif args.pipeline == "reorder":
+        ds = source(raw).map(jittered, num_parallel_calls=4, deterministic=False)
+        ds = ds.batch(args.batch).map(lambda *batch: batch)
+    else:
+        ds = source(columns).batch(args.batch)
     validation = None
     if args.validation:
         xv, yv = data(args.validation)
         validation = tf.data.Dataset.from_tensor_slices((xv, yv)).batch(args.batch)
-    history = model.fit(ds, epochs=args.epochs, verbose=0, callbacks=callbacks,
-                        validation_data=validation)
+    if args.pipeline == "keras-arrays":
+        history = model.fit(*columns[:2], sample_weight=columns[2] if args.sample_weight
+                            else None, batch_size=args.batch, shuffle=args.unseeded,
+                            epochs=args.epochs,
+                            verbose=0, callbacks=callbacks, validation_data=validation)
+    else:
+        history = model.fit(ds, epochs=args.epochs, verbose=0, callbacks=callbacks,
+                            validation_data=validation)
     index = strategy.cluster_resolver.task_id
     os.makedirs(args.out, exist_ok=True)
     np.savez(
@@ -137,10 +202,11 @@ def main():
         json.dump(
             {
                 "history": history.history,
-                "samples": callbacks[0].samples if callbacks else [],
-                "extra": callbacks[0].extra if callbacks else [],
+                "samples": switch.samples if args.switch_step else [],
+                "extra": switch.extra if args.switch_step else [],
                 "batch_sizes": list(strategy.batch_sizes),
                 "chief": strategy.is_chief,
+                "per_epoch": per_epoch.counts,
             },
             f,
         )

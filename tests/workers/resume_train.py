@@ -85,7 +85,10 @@ def main():
     die = args.die_step if (index == args.die_worker and attempt == args.die_attempt) else -1
     events = Events(strategy, die, args.stop_step)
     x, y = mw_train.data(args.n)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
+    # A per-sample map: each worker runs it on its own samples only (tf_hetbatch.input_work),
+    # and a resumed epoch skips its trained batches before any of that work.
+    ds = tf.data.Dataset.from_tensor_slices((x * 2.0, y)).map(
+        lambda a, b: (a * 0.5, b), num_parallel_calls=2).batch(args.batch)
     callbacks = ([dynamic] if dynamic else []) + [ckpt, events]
     model.fit(ds, epochs=args.epochs, initial_epoch=initial_epoch, verbose=0,
               callbacks=callbacks)
