@@ -223,3 +223,20 @@ def test_one_host_runs_the_pipeline_as_written(caplog):
     with caplog.at_level(logging.INFO, logger="tf_hetbatch"):
         input_work.plan(tf.data.Dataset.range(N).batch(B).map(lambda x: x), True)
     assert not caplog.records
+
+
+def test_seeded_random_augmentation_is_reproducible_and_varies_between_batches():
+    def make():
+        def augment(x):
+            return tf.cast(x, tf.float32) + tf.random.uniform([], seed=11)
+
+        return tf.data.Dataset.range(N).map(augment).batch(B)
+
+    tf.random.set_seed(5)
+    first, _ = worker_slices(make, 2, [2, 3, 7], moved=True)
+    tf.random.set_seed(5)
+    again, _ = worker_slices(make, 2, [2, 3, 7], moved=True)
+    assert_same_slices(first, again)
+    # The random stream goes on from slice to slice (it is not restarted per batch).
+    noise = [s[0] - np.floor(s[0]) for s in first]
+    assert len({round(float(n[0]), 6) for n in noise}) == len(noise)

@@ -410,6 +410,11 @@ def split_global_batches(
     slices = per_batch.flat_map(_itself)
     if plan is not None and plan.finish_slices is not None:
         slices = plan.finish_slices(slices)
+    if plan is not None and plan.moved:
+        # The moved work is done one global batch ahead, as the user's prefetch did it before
+        # (that prefetch now holds raw batches, before the split's bookkeeping, whose keys
+        # must stay within SWITCH_MARGIN of training).
+        slices = slices.prefetch(count)
     return slices
 
 

@@ -27,8 +27,12 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
     and is identical on every worker.
 
     Input: every worker reads the same sequence of global batches (use a seeded shuffle, as
-    with the stock DATA auto-shard policy) and keeps its own replicas' slices, so every sample
-    of an epoch is used exactly once, whatever the split.
+    with the stock DATA auto-shard policy; an unseeded `Dataset.shuffle` right under the
+    per-sample maps gets a seed all workers agree on) and keeps its own replicas' slices, so
+    every sample of an epoch is used exactly once, whatever the split. The per-sample work
+    (maps before `batch`, Keras's array gather, maps after `split_here()`) runs after the
+    split, on the worker's own samples only (`tf_hetbatch.input_work`). Every gather of this
+    strategy also checks that all workers trained the same global batches.
 
     Collectives: `set_batch_sizes`, `read_replica_times` and `gather_replica_values` talk to
     all workers, so every worker must call them at the same point (a callback does). A new
