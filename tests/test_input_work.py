@@ -91,6 +91,25 @@ def test_each_worker_maps_its_own_samples_into_the_same_slices(sizes, num_parall
     assert mapped == N
 
 
+@pytest.mark.parametrize("after", ["repeat", "take", "skip"])
+def test_repeat_take_and_skip_of_global_batches_keep_the_split_before_the_maps(after):
+    counter = Counter()
+
+    def make():
+        ds = per_sample_pipeline(counter, prefetch=False)()
+        ds = {"repeat": lambda d: d.take(3).repeat(2), "take": lambda d: d.take(2),
+              "skip": lambda d: d.skip(1)}[after](ds)
+        return ds.prefetch(1)
+
+    ours, plan = worker_slices(make, 1, [2, 3, 7], moved=True)
+    own = counter.take()
+    theirs, _ = worker_slices(make, 1, [2, 3, 7], moved=False)
+    counter.take()
+    assert plan.moved == 2
+    assert_same_slices(ours, theirs)
+    assert own == sum(len(s[1]) for s in ours)
+
+
 def test_an_empty_slice_is_an_empty_batch_of_the_finished_shape():
     counter = Counter()
     ours, _ = worker_slices(per_sample_pipeline(counter), 0, [0, 4, 8], moved=True)

@@ -31,14 +31,18 @@ def run_cluster(out, num_workers, *args, timeout=240):
     return outputs
 
 
-def reference_weights(n=320, batch=32, epochs=2, weighted=False):
+def reference_model(n=320, batch=32, epochs=2, weighted=False):
     import tensorflow as tf
 
     x, y = mw_train.data(n)
     model = mw_train.build(weighted=weighted)
     columns = (x, y, mw_train.sample_weights(n)) if weighted else (x, y)
     model.fit(tf.data.Dataset.from_tensor_slices(columns).batch(batch), epochs=epochs, verbose=0)
-    return model.get_weights()
+    return model
+
+
+def reference_weights(**kwargs):
+    return reference_model(**kwargs).get_weights()
 
 
 def weights_of(npz, count):
@@ -133,9 +137,15 @@ def test_each_worker_maps_only_its_own_samples(tmp_path, pipeline):
     outputs = run_cluster(
         tmp_path, 2, "--n", str(n), "--sizes", "5,27", "--switch-step", "4",
         "--switch-sizes", "20,12", "--sample-weight", "--pipeline", pipeline,
+        "--validation", "96",
     )
-    ref = reference_weights(n=n, weighted=True)
-    assert_every_worker_equals(ref, outputs)
+    model = reference_model(n=n, weighted=True)
+    assert_every_worker_equals(model.get_weights(), outputs)
+    # Validation data with the same per-sample map (split too): the one-device result.
+    xv, yv = mw_train.data(96)
+    val_loss = model.evaluate(xv, yv, batch_size=32, verbose=0, return_dict=True)["loss"]
+    for _, info in outputs:
+        assert info["history"]["val_loss"][-1] == pytest.approx(val_loss, rel=1e-5)
     assert_every_sample_once_per_epoch(outputs, n, 2)
     per_epoch = [np.diff(np.array([[0, 0]] + info["per_epoch"]), axis=0) for _, info in outputs]
     for counts in per_epoch:

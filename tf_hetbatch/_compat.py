@@ -424,7 +424,7 @@ def disable_partial_batch_handling(distributed):
 # `.function` is the traced concrete function, `._func` the Python function, `.output_structure`
 # its output spec) and its parallelism (`_num_parallel_calls`, `_deterministic`), a batch its
 # `_batch_size` / `_drop_remainder`, a prefetch its `_buffer_size`, a shuffle its `_buffer_size`,
-# `_seed`, `_seed2` and `_reshuffle_each_iteration` (TF 2.21). Public tf.data has no view of a
+# `_seed`, `_seed2` and `_reshuffle_each_iteration`, a repeat, take or skip its `_count` (TF 2.21). Public tf.data has no view of a
 # pipeline's transformations. Anything not recognised here is "other": the
 # pipeline then runs unsplit, as before, so an upstream change costs speed, never correctness.
 _TRANSFORM_KINDS = {
@@ -435,6 +435,9 @@ _TRANSFORM_KINDS = {
     "_MapDataset": "map",
     "_ParallelMapDataset": "map",
     "_ShuffleDataset": "shuffle",
+    "_RepeatDataset": "repeat",
+    "_TakeDataset": "take",
+    "_SkipDataset": "skip",
 }
 
 
@@ -442,12 +445,14 @@ class PipelineStep:
     """One transformation of a tf.data pipeline, as `pipeline_steps` reads it.
 
     Attributes:
-        kind: "prefetch", "options", "batch", "map", "shuffle", "split_marker" or "other".
+        kind: "prefetch", "options", "batch", "map", "shuffle", "repeat", "take", "skip",
+            "split_marker" or "other".
         dataset: the transformation's output dataset.
         input: its single input dataset, or None (a source, or several inputs).
         batch_size / drop_remainder: a batch's static size and flag (None if not constant).
         num_parallel_calls / deterministic: a map's (1 / None for a sequential map).
         buffer_size: a prefetch's or a shuffle's.
+        count: a repeat's, take's or skip's.
         seeded: a shuffle's: whether it was given a seed (op-level or global).
     """
 
@@ -462,7 +467,7 @@ class PipelineStep:
             self.input = None
             if self.kind != "other":
                 self.kind = "other"
-        self.batch_size = self.drop_remainder = self.buffer_size = None
+        self.batch_size = self.drop_remainder = self.buffer_size = self.count = None
         self.num_parallel_calls, self.deterministic, self.seeded = 1, None, False
         if self.kind == "batch":
             self.batch_size = _constant_or_none(getattr(dataset, "_batch_size", None))
@@ -479,6 +484,10 @@ class PipelineStep:
             self.deterministic = {"true": True, "false": False}.get(
                 getattr(dataset, "_deterministic", "default"), None
             )
+        elif self.kind in ("repeat", "take", "skip"):
+            self.count = _constant_or_none(getattr(dataset, "_count", None))
+            if self.count is None:
+                self.kind = "other"
         elif self.kind in ("prefetch", "shuffle"):
             self.buffer_size = _constant_or_none(getattr(dataset, "_buffer_size", None))
             if self.buffer_size is None:

@@ -8,7 +8,8 @@ samples only. The global batches stay exactly what they were (same samples, same
 where each sample's work runs changes.
 
 Recognised automatically (`plan`):
-- `source [.shuffle(n, seed)] .map(f, ...)* .batch(B) [.prefetch(p)]`, the idiomatic form:
+- `source [.shuffle(n, seed)] .map(f, ...)* .batch(B) [.prefetch(p)]`, the idiomatic form
+  (`repeat`, `take` and `skip` of global batches may follow the batch):
   the maps directly under the batch run per replica slice, on that slice's samples.
 - Keras's array input, `fit(x, y, batch_size=B)`: batches of sample indices, then a gather;
   each worker gathers only its own replicas' indices.
@@ -36,7 +37,8 @@ from tf_hetbatch import _compat
 
 logger = logging.getLogger(__name__)
 
-_KEPT_ON_TOP = ("prefetch", "options")
+# Transformations of whole global batches after the split point: re-applied to the raw ones.
+_KEPT_ON_TOP = ("prefetch", "options", "repeat", "take", "skip")
 
 
 def split_here():
@@ -113,6 +115,8 @@ def plan(dataset, owns_every_replica, seed=None, evaluation=False):
         for step in reversed(steps[:top]):
             if step.kind == "prefetch":
                 raw = raw.prefetch(step.buffer_size)
+            elif step.kind in ("repeat", "take", "skip"):
+                raw = getattr(raw, step.kind)(step.count)
         return raw.with_options(dataset.options())
 
     # Keras's array input: index batches, then a gather of each batch.

@@ -182,7 +182,11 @@ def main():
     validation = None
     if args.validation:
         xv, yv = data(args.validation)
-        validation = tf.data.Dataset.from_tensor_slices((xv, yv)).batch(args.batch)
+        validation = tf.data.Dataset.from_tensor_slices((xv, yv))
+        if args.pipeline == "per-sample-map":  # the same per-sample work, after the split
+            validation = tf.data.Dataset.from_tensor_slices((xv * 2.0, yv)).map(
+                lambda a, b: (a * 0.5, b))
+        validation = validation.batch(args.batch)
     if args.pipeline == "keras-arrays":
         history = model.fit(*columns[:2], sample_weight=columns[2] if args.sample_weight
                             else None, batch_size=args.batch, shuffle=args.unseeded,
