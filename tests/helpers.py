@@ -22,7 +22,8 @@ def image_data(n=160, seed=0, classes=4):
     return x, y
 
 
-def dense_model(optimizer=None, loss="mse", metrics=("mae",), seed=1, regularize=True):
+def dense_model(optimizer=None, loss="mse", metrics=("mae",), seed=1, regularize=True,
+                steps_per_execution=1):
     keras.utils.set_random_seed(seed)
     reg = keras.regularizers.L2(1e-2) if regularize else None
     model = keras.Sequential(
@@ -33,7 +34,8 @@ def dense_model(optimizer=None, loss="mse", metrics=("mae",), seed=1, regularize
         ]
     )
     model.compile(
-        optimizer=optimizer or keras.optimizers.SGD(0.05), loss=loss, metrics=list(metrics)
+        optimizer=optimizer or keras.optimizers.SGD(0.05), loss=loss, metrics=list(metrics),
+        steps_per_execution=steps_per_execution,
     )
     return model
 

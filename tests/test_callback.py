@@ -148,18 +148,25 @@ def test_probe_split_follows_measured_throughput(cpus):
     assert sum(sizes) == GLOBAL_BATCH and sizes[0] > sizes[1] > sizes[2], entry
 
 
-def test_training_stays_exact_while_the_split_changes(cpus):
+@pytest.mark.parametrize("spe", [1, 3])
+def test_training_stays_exact_while_the_split_changes(cpus, spe):
     x, y = regression_data()  # 320 samples, global batch 32: 10 steps per epoch
     splits = [(20, 8, 4), (4, 8, 20), (11, 0, 21), (1, 30, 1)]
     ref = build_under(None, dense_model)
     ref.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
     strategy = hb.HeteroMirroredStrategy(cpus[:3])
-    ours = build_under(strategy, dense_model)
+    ours = build_under(strategy, dense_model, steps_per_execution=spe)
     callback = hb.DynamicBatching(initial=[10, 12, 10], controller=CyclingController(splits),
                                   min_sizes=0, warmup_steps=1, interval=2)
     ours.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0, callbacks=[callback])
 
     assert max_weight_diff(ref, ours) <= 1e-5
+    # Windows count steps, not calls: each ends at the first execution end (with 3: steps
+    # 3, 6, 9, 10 of each epoch) at least `interval` steps after the last.
+    steps = [w["step"] for w in callback.windows]
+    assert steps[-1] <= strategy.steps_trained == 30
+    assert all(b - a >= 2 for a, b in zip(steps, steps[1:])), steps
+    assert all(s % 10 in ({0, 3, 6, 9} if spe == 3 else set(range(10))) for s in steps), steps
     changes = callback.history[1:]
     assert len(changes) >= 4, callback.history
     assert [tuple(c["new"]) for c in changes[:4]] == splits

@@ -41,7 +41,8 @@ def test_keras_passes_the_bound_train_and_test_steps_to_strategy_run(cpus):
 
 
 def test_stock_strategy_still_fails_with_steps_per_execution(cpus):
-    """keras-team/keras#19246: while this fails, tf_hetbatch refuses steps_per_execution > 1."""
+    """keras-team/keras#19246: while this fails, tf_hetbatch inlines the one-step function
+    (`_compat.inline_multi_step`); once it passes, drop that workaround."""
     strategy = stock_mirrored(cpus[:2])
     with strategy.scope():
         model = dense_model()

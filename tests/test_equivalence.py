@@ -164,3 +164,42 @@ def test_stock_averaging_of_uneven_batches_differs(cpus):
     for i in range(0, len(x), 32):
         step(tf.constant(x[i : i + 32]), tf.constant(y[i : i + 32]))
     assert max_weight_diff(ref, model) > 100 * TOL
+
+
+class SwitchAtBatch(keras.callbacks.Callback):
+    def __init__(self, strategy, at, sizes):
+        super().__init__()
+        self.strategy, self.at, self.sizes, self.done = strategy, at, sizes, False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.done and batch >= self.at:
+            self.strategy.set_batch_sizes(self.sizes)
+            self.done = True
+
+
+@pytest.mark.parametrize("spe", [1, 3, 8])
+def test_steps_per_execution_with_a_switch_matches_one_device(cpus, spe):
+    # SyncBatchNorm + Adam, an uneven split switched mid-epoch, a partial last batch
+    # (150 = 4 x 32 + 22), 2 epochs; per-batch logs are the global means at each call.
+    x, y = image_data(n=150)
+    ref = conv_syncbn_model()
+    ref_logs = BatchLogs()
+    ref.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[ref_logs])
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes(SPLIT)
+    with strategy.scope():
+        ours = conv_syncbn_model()
+        ours.compile(optimizer=keras.optimizers.Adam(1e-2), loss=ours.loss,
+                     metrics=["accuracy"], steps_per_execution=spe)
+    logs = BatchLogs()
+    switch = SwitchAtBatch(strategy, 1, [16, 8, 8])
+    ours.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[switch, logs])
+    assert switch.done and strategy.steps_trained == 10
+    assert max_weight_diff(ref, ours) <= TOL
+    # One call per execution: the logs of its last step, equal to one device's there.
+    per_epoch = [min(spe * (i + 1), 5) - 1 for i in range(-(-5 // spe))]
+    expected = [ref_logs.batches[e * 5 + b] for e in range(2) for b in per_epoch]
+    assert len(logs.batches) == len(expected)
+    for mine, theirs in zip(logs.batches, expected):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert mine["accuracy"] == pytest.approx(theirs["accuracy"], rel=1e-6)

@@ -213,3 +213,17 @@ def test_an_unrecognised_pipeline_runs_unsplit_says_why_and_stays_exact(tmp_path
     assert "split_here()" in text
     outputs = [(np.load(os.path.join(tmp_path, f"worker{i}.npz")), None) for i in range(2)]
     assert_every_worker_equals(reference_weights(), outputs)
+
+
+def test_steps_per_execution_with_a_switch_and_input_after_the_split(tmp_path):
+    # 4 steps per execution: the switch asked for at the 2nd call (step 8) lands at step
+    # 8 + SWITCH_MARGIN on both workers, mid-execution, and training stays exact.
+    n = 330
+    outputs = run_cluster(tmp_path, 2, "--n", str(n), "--sizes", "5,27", "--switch-step", "2",
+                          "--switch-sizes", "20,12", "--pipeline", "per-sample-map",
+                          "--steps-per-execution", "4")
+    assert_every_worker_equals(reference_weights(n=n), outputs)
+    assert_every_sample_once_per_epoch(outputs, n, 2)
+    count = len(reference_weights(n=n))
+    for a, b in zip(weights_of(outputs[0][0], count), weights_of(outputs[1][0], count)):
+        np.testing.assert_array_equal(a, b)

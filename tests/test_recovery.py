@@ -144,9 +144,9 @@ def test_resume_with_fewer_workers_resplits_the_global_batch(tmp_path):
 
 
 # ---------------------------------------------------------------------- one process -------
-def _model_under(strategy):
+def _model_under(strategy, steps_per_execution=1):
     with strategy.scope():
-        return resume_train.build()
+        return resume_train.build(steps_per_execution=steps_per_execution)
 
 
 def _data():
@@ -165,12 +165,15 @@ class StopAt(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
-def test_in_process_stop_and_resume_equals_one_device(tmp_path, cpus):
+@pytest.mark.parametrize("spe", [1, 3])
+def test_in_process_stop_and_resume_equals_one_device(tmp_path, cpus, spe):
+    # steps_per_execution=3: calls end at steps 3, 6, 9, 10 of each 10-step epoch; the 5th
+    # call ends at step 13, as the 13th does with 1.
     strategy = hb.HeteroMirroredStrategy(cpus[:2])
-    model = _model_under(strategy)
+    model = _model_under(strategy, spe)
     ckpt = ResumableCheckpoint(tmp_path, save_every_steps=3, keep=3)
     assert ckpt.restore(model) == 0 and ckpt.restored == {}
-    model.fit(_data(), epochs=EPOCHS, verbose=0, callbacks=[ckpt, StopAt(13)])
+    model.fit(_data(), epochs=EPOCHS, verbose=0, callbacks=[ckpt, StopAt(13 if spe == 1 else 5)])
     # Stopped early mid-epoch: the epoch-end checkpoint records the partial epoch.
     latest = ckpt.latest()
     assert (latest["step"], latest["epoch"], latest["batch"]) == (13, 1, 3)
@@ -179,7 +182,7 @@ def test_in_process_stop_and_resume_equals_one_device(tmp_path, cpus):
 
     # A fresh process' view: new strategy (3 replicas: re-split), new model, restore, fit.
     strategy2 = hb.HeteroMirroredStrategy(cpus[:3])
-    model2 = _model_under(strategy2)
+    model2 = _model_under(strategy2, spe)
     ckpt2 = ResumableCheckpoint(tmp_path, save_every_steps=3, keep=3)
     initial_epoch = ckpt2.restore(model2)
     assert initial_epoch == 1

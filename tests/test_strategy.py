@@ -248,14 +248,18 @@ def test_custom_train_step_without_scale_loss_is_refused(cpus):
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 
 
-def test_steps_per_execution_above_one_is_refused_clearly(cpus):
+def test_steps_per_execution_with_data_distributed_by_hand_is_refused_clearly(cpus):
+    # Keras's own loops get the keras#19246 workaround; a dataset the user distributed
+    # bypasses the strategy's hook, so the step refuses it instead of failing deep in TF.
     strategy = hb.HeteroMirroredStrategy(cpus[:2])
     with strategy.scope():
         model = dense_model()
         model.compile("sgd", "mse", steps_per_execution=4)
     x, y = regression_data(n=64)
+    data = strategy.distribute_datasets_from_function(
+        lambda _: tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
     with pytest.raises(ValueError, match="steps_per_execution.*19246"):
-        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        model.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
 
 
 def test_custom_loop_with_global_batch_loss_scaling_is_exact(cpus):

@@ -88,24 +88,124 @@ def keras_model_of_step(fn):
 
 
 # --- keras-team/keras#19246: steps_per_execution > 1 under MirroredStrategy ---------------------
-# Keras 3 nests the tf.function `one_step_on_data` inside tf.cond inside tf.while_loop, which
-# fails under MirroredStrategy ("You must feed a value for placeholder tensor"). The fix inlines
-# that function in Keras itself; a strategy cannot reach it, so tf_hetbatch refuses the setting
-# with a clear error instead of failing deep inside TensorFlow. `test_compat.py` checks that the
-# stock strategy still fails, so the refusal is lifted as soon as upstream is fixed.
-# Not fixed upstream as of Keras 3.15.1; test_compat's canary fails once the stock strategy works.
+# Keras 3 builds the multi-step function (`TensorFlowTrainer._make_function`) with the one-step
+# function as a nested `tf.function` inside tf.cond inside tf.while_loop, which fails under
+# MirroredStrategy, the stock one included ("You must feed a value for placeholder tensor").
+# With the one-step function inlined (a plain Python function, traced into the loop) it works.
+# `inline_multi_step(model)` gives THE model being trained under a tf_hetbatch strategy an
+# instance-level `_make_function` that does exactly what Keras 3.15's does, with that one
+# difference; it is installed when our strategy distributes the model's data (before Keras
+# builds its train/test function). `test_compat.py` checks that the stock strategy still fails.
+# Not fixed upstream as of Keras 3.15.1.
 STEPS_PER_EXECUTION_BROKEN = True
 
 
+def inline_multi_step(model):
+    """Makes `model`'s multi-step train/test functions inline their one-step function.
+
+    A no-op for steps_per_execution == 1, with `jit_compile` (XLA compiles the inner function
+    itself), or where the Keras trainer method is not there; idempotent.
+    """
+    spe = int(getattr(model, "steps_per_execution", 1) or 1)
+    if (not STEPS_PER_EXECUTION_BROKEN or spe <= 1 or getattr(model, "jit_compile", False)
+            or not hasattr(model, "_make_function")
+            or getattr(model, "_tf_hetbatch_inlined_steps", False)):
+        return
+    import types
+
+    model._make_function = types.MethodType(_make_function_inlined, model)
+    model._tf_hetbatch_inlined_steps = True
+    model.train_function = model.test_function = None  # rebuilt with the inlined step
+
+
+def _make_function_inlined(self, step_function):
+    """Keras 3.15 `TensorFlowTrainer._make_function`, the one-step function not a tf.function."""
+    from keras.src.backend.tensorflow.trainer import reduce_per_replica
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = self.distribute_strategy.run(step_function, args=(data,))
+        return reduce_per_replica(outputs, self.distribute_strategy, reduction="auto")
+
+    one_step_on_data = self._autoconvert_optionals(one_step_on_data)
+
+    @tf.autograph.experimental.do_not_convert
+    def multi_step_on_iterator(iterator):
+        empty_outputs = tf.experimental.Optional.empty(None)  # spec set while tracing
+
+        def cond(execution_step, optional_outputs, next_optional_inputs):
+            return tf.logical_and(tf.less(execution_step, self.steps_per_execution),
+                                  next_optional_inputs.has_value())
+
+        def inner_body(execution_step, optional_outputs, next_optional_inputs):
+            def has_next():
+                next_optional_outputs = tf.experimental.Optional.from_value(
+                    one_step_on_data(next_optional_inputs.get_value()))
+                empty_outputs._element_spec = next_optional_outputs.element_spec
+                return next_optional_outputs
+
+            def no_has_next():
+                optional_outputs._element_spec = empty_outputs._element_spec
+                return optional_outputs
+
+            next_optional_outputs = tf.cond(
+                tf.logical_and(tf.less(execution_step, self.steps_per_execution),
+                               next_optional_inputs.has_value()),
+                has_next, no_has_next)
+            return (execution_step + 1, next_optional_outputs,
+                    tf.cond(tf.less(execution_step + 1, self.steps_per_execution),
+                            lambda: iterator.get_next_as_optional(),
+                            lambda: next_optional_inputs))
+
+        def body(execution_step, optional_outputs, next_optional_inputs):
+            for _ in range(min(self.unrolled_steps_per_execution, self.steps_per_execution)):
+                execution_step, optional_outputs, next_optional_inputs = inner_body(
+                    execution_step, optional_outputs, next_optional_inputs)
+            return execution_step, optional_outputs, next_optional_inputs
+
+        _, final_optional_outputs, _ = tf.while_loop(
+            cond, body,
+            loop_vars=[tf.constant(0), empty_outputs, iterator.get_next_as_optional()])
+        final_optional_outputs._element_spec = empty_outputs.element_spec
+        return final_optional_outputs
+
+    if not self.run_eagerly:
+        multi_step_on_iterator = tf.function(multi_step_on_iterator, reduce_retracing=True)
+
+    def function(iterator):
+        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            opt_outputs = multi_step_on_iterator(iterator)
+            if not opt_outputs.has_value():
+                raise StopIteration
+            return opt_outputs.get_value()
+        for _, data in zip(range(self.steps_per_execution), iterator):
+            outputs = one_step_on_data(data)
+        return outputs
+
+    return function
+
+
 def check_steps_per_execution(model):
-    spe = getattr(model, "steps_per_execution", 1) or 1
-    if STEPS_PER_EXECUTION_BROKEN and int(spe) > 1:
+    """Refuses steps_per_execution > 1 where `inline_multi_step` could not be installed (data
+    a user distributed, a jit-compiled model), instead of failing deep inside TensorFlow."""
+    spe = int(getattr(model, "steps_per_execution", 1) or 1)
+    if STEPS_PER_EXECUTION_BROKEN and spe > 1 and not getattr(
+            model, "_tf_hetbatch_inlined_steps", False):
         raise ValueError(
-            "`steps_per_execution` must be 1 under a tf.distribute MirroredStrategy with "
-            f"Keras {keras.__version__}: Keras fails there even with the stock strategy "
-            "(keras-team/keras#19246). Received: steps_per_execution="
-            f"{spe}. Fix: model.compile(..., steps_per_execution=1)."
+            "`steps_per_execution` > 1 works under a tf_hetbatch strategy when Keras's fit, "
+            "evaluate or predict distributes the data (keras-team/keras#19246 breaks it in "
+            "Keras itself otherwise), and without jit_compile. Received: steps_per_execution="
+            f"{spe}, jit_compile={getattr(model, 'jit_compile', None)}. Fix: pass the "
+            "tf.data.Dataset itself (not a distributed one) to fit, or compile with "
+            "steps_per_execution=1."
         )
+
+
+def keras_model_distributing_data(max_depth=8):
+    """The Keras model whose `fit`/`evaluate`/`predict` is distributing a dataset, or None
+    (call it from within the strategy's `experimental_distribute_dataset`)."""
+    frame = _keras_loop_frame(max_depth + 1)
+    return None if frame is None else frame.f_locals.get("self")
 
 
 # --- Keras's symbolic build reduces a data batch across replicas --------------------------------
@@ -349,9 +449,24 @@ def keras_loop_distributing_data(max_depth=8):
     Call it from within the strategy's `experimental_distribute_dataset`; `max_depth` bounds
     the frames searched for the `TFEpochIterator` constructor (strategy subclasses add some).
     """
+    caller = _keras_loop_frame(max_depth + 1)
+    if caller is None:
+        return None
+    name = caller.f_code.co_name
+    if name == "fit":
+        # Read only: whether fit has already bound its training iterator.
+        return "validation" if "epoch_iterator" in caller.f_locals else "train"
+    if name in ("evaluate", "predict"):
+        return name
+    return None
+
+
+def _keras_loop_frame(max_depth):
+    """The frame of the Keras trainer method that constructs the `TFEpochIterator` on the
+    current stack (within `max_depth` frames of the caller's caller), or None."""
     import sys
 
-    frame = sys._getframe(0)
+    frame = sys._getframe(1)
     for _ in range(max_depth):
         frame = frame.f_back
         if frame is None:
@@ -369,13 +484,7 @@ def keras_loop_distributing_data(max_depth=8):
     caller = frame.f_back
     if caller is None or not _is_keras_tf_trainer_code(caller.f_code):
         return None
-    name = caller.f_code.co_name
-    if name == "fit":
-        # Read only: whether fit has already bound its training iterator.
-        return "validation" if "epoch_iterator" in caller.f_locals else "train"
-    if name in ("evaluate", "predict"):
-        return name
-    return None
+    return caller
 
 
 # --- A tf.data map run in the pipeline's own thread (tensorflow, no public API) ---------------

@@ -29,7 +29,7 @@ import tensorflow as tf
 from tf_hetbatch import controllers as _controllers
 from tf_hetbatch import devices as _devices
 from tf_hetbatch import split as _split
-from tf_hetbatch.strategy import hetero_strategy_of
+from tf_hetbatch.strategy import StepCounter, hetero_strategy_of
 
 logger = logging.getLogger(__name__)
 
@@ -299,6 +299,7 @@ class DynamicBatching(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         strategy = hetero_strategy_of(self.model, "DynamicBatching")
         self._strategy = strategy
+        self._steps = StepCounter(strategy)
         num = strategy.num_parts
         # On every worker alike, before any collective; B may still be unknown (then the
         # first window gives it, see `_finish_static`).
@@ -332,13 +333,14 @@ class DynamicBatching(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         wall = time.perf_counter() - self._batch_start
-        self._fit_step += 1
-        self._global_step += 1
+        steps = self._steps()  # > 1 with steps_per_execution
+        self._fit_step += steps
+        self._global_step += steps
         if not self._measuring:
             if self._fit_step >= self.warmup_steps and self._workers_warm():
                 self._start_window()
             return
-        self._window_steps += 1
+        self._window_steps += steps
         self._window_wall += wall
         length = self.interval if self._static_done else self._first_window_length()
         if self._window_steps >= length:

@@ -34,7 +34,7 @@ import keras
 import numpy as np
 
 from tf_hetbatch import _compat
-from tf_hetbatch.strategy import hetero_strategy_of
+from tf_hetbatch.strategy import StepCounter, hetero_strategy_of
 from tf_hetbatch import split as _split
 
 logger = logging.getLogger(__name__)
@@ -232,6 +232,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         strategy = hetero_strategy_of(self.model, "ResumableCheckpoint")
         self._strategy = strategy
+        self._steps = StepCounter(strategy)
         if self.restored is None and not self._wrote and os.path.exists(
                 os.path.join(self.directory, POINTER)):
             raise ValueError(
@@ -265,9 +266,12 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._resume_epoch, self._resume_batch = None, 0
 
     def on_train_batch_end(self, batch, logs=None):
-        self._step += 1
-        self._batches += 1
-        if self._step % self.save_every_steps == 0 and not self._epoch_complete():
+        steps = self._steps()  # > 1 with steps_per_execution
+        previous, self._step = self._step, self._step + steps
+        self._batches += steps
+        # Every `save_every_steps` steps, at the first execution boundary at or after them.
+        due = self._step // self.save_every_steps > previous // self.save_every_steps
+        if due and not self._epoch_complete():
             self._save(self._epoch, self._batches)
 
     def on_epoch_end(self, epoch, logs=None):

@@ -217,6 +217,9 @@ class HeteroMixin:
             TypeError: anything but a `tf.data.Dataset`.
         """
         evaluation = _compat.keras_loop_distributing_data() in _compat.EVALUATION_LOOPS
+        model = _compat.keras_model_distributing_data()
+        if model is not None:
+            _compat.inline_multi_step(model)  # steps_per_execution > 1 (keras#19246)
         self._check_dataset(dataset, evaluation)
         mode = getattr(options, "experimental_replication_mode", None)
         if mode == tf.distribute.InputReplicationMode.PER_REPLICA:
@@ -498,8 +501,10 @@ class HeteroMirroredStrategy(HeteroMixin, tf.distribute.MirroredStrategy):
     What changes relative to the stock strategy, and only under this strategy:
     - the optimizer instance of a model trained under it gets instance-level `scale_loss` and
       `apply` hooks (weights and timing; no-ops outside its steps);
-    - `steps_per_execution` must be 1 (keras-team/keras#19246 breaks it for the stock
-      strategy too);
+    - with `steps_per_execution > 1` (which fails for the stock strategy,
+      keras-team/keras#19246), the model gets an instance-level `_make_function` that inlines
+      its one-step function into the multi-step loop (`_compat.inline_multi_step`); it needs
+      Keras's fit/evaluate/predict to distribute the data, and no `jit_compile`;
     - plain (unsynchronised) BatchNormalization computes local statistics, as with the stock
       strategy, so it is not exact; and a replica may not get an empty batch with it.
 
@@ -519,6 +524,32 @@ class HeteroMirroredStrategy(HeteroMixin, tf.distribute.MirroredStrategy):
         _compat.assign_collective_key_base(self)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
         self._init_hetero()
+
+
+class StepCounter:
+    """Training steps each Keras `on_train_batch_end` call covers, for a callback.
+
+    Keras calls it once per execution of `steps_per_execution` steps, and the `batch` it
+    passes is the execution's nominal last step, also past the end of the data; the steps
+    the synchronous strategies count are exact. Asynchronous training: one update per call.
+    """
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._last = self._read()
+
+    def _read(self):
+        if isinstance(self._strategy, HeteroMixin):
+            return self._strategy.steps_trained
+        return None
+
+    def __call__(self) -> int:
+        """The steps trained since the previous call (or the counter's creation)."""
+        now = self._read()
+        if now is None:
+            return 1
+        steps, self._last = max(now - self._last, 0), now
+        return steps
 
 
 def hetero_strategy_of(model, user: str) -> HeteroMixin:

@@ -49,7 +49,7 @@ def sample_weights(n):
     return np.random.default_rng(1).uniform(0.2, 3.0, size=(n,)).astype("float32")
 
 
-def build(sink=None, weighted=False):
+def build(sink=None, weighted=False, steps_per_execution=1):
     keras.utils.set_random_seed(1)
     layers = [keras.Input((8,))]
     layers.append(IdRecorder(sink) if sink is not None else keras.layers.Lambda(
@@ -63,7 +63,8 @@ def build(sink=None, weighted=False):
     # sample weight, not their samples.
     loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight") if weighted \
         else "mse"
-    model.compile(keras.optimizers.SGD(0.05), loss, metrics=["mae"])
+    model.compile(keras.optimizers.SGD(0.05), loss, metrics=["mae"],
+                  steps_per_execution=steps_per_execution)
     return model
 
 
@@ -116,6 +117,7 @@ def main():
                         "batch(B).apply(split_here()); batch-map: an unmarked map after "
                         "batch(B) (runs unsplit); reorder: as batch-map, after a parallel "
                         "per-sample map with deterministic=False that reorders")
+    parser.add_argument("--steps-per-execution", type=int, default=1)
     parser.add_argument("--unseeded", action="store_true",
                         help="no global seed; the data is shuffled with no seed")
     args = parser.parse_args()
@@ -126,7 +128,8 @@ def main():
         strategy.set_batch_sizes([int(s) for s in args.sizes.split(",")])
     sink = Sink()
     with strategy.scope():
-        model = build(sink, weighted=args.sample_weight)
+        model = build(sink, weighted=args.sample_weight,
+                      steps_per_execution=args.steps_per_execution)
     callbacks = []
     if args.switch_step:
         switch = SwitchAt(strategy, args.switch_step, [int(s) for s in args.switch_sizes.split(",")])

@@ -24,9 +24,10 @@ import tf_hetbatch as hb  # noqa: E402
 from tf_hetbatch.recovery import ResumableCheckpoint  # noqa: E402
 
 
-def build(sink=None):
+def build(sink=None, steps_per_execution=1):
     model = mw_train.build(sink)
-    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"])
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"],
+                  steps_per_execution=steps_per_execution)
     return model
 
 
