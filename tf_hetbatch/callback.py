@@ -75,6 +75,12 @@ class DynamicBatching(keras.callbacks.Callback):
     The same measurements always give the same split (controllers are pure functions of their
     state and inputs), so runs are reproducible up to timing noise.
 
+    With `model.compile(steps_per_execution=n)`, Keras calls callbacks once per n steps:
+    windows count steps, so a window ends at the first call `interval` or more steps after
+    the last (an `interval` that is a multiple of n keeps windows equal). Where a step's fixed
+    cost is large against its compute (small per-replica batches, throttled or slow hosts),
+    n of 4 to 16 saves Keras's host work per step and pays (see BUILD_NOTES, "Fixed cost").
+
     Args:
         initial: the static split. `"flops"` (default): proportional to each replica device's
             nominal peak FLOP/s (`tf_hetbatch.devices`; identical devices give the even
