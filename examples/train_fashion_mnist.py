@@ -8,6 +8,15 @@ Run it as N workers with the launcher (TF_CONFIG set), or on its own (one host, 
 `--mode even` is the stock behaviour (every replica gets B/K), `--mode static --sizes ...` a
 fixed split, `--mode dynamic` DynamicBatching() with its defaults. The chief prints progress
 and writes a JSON summary to --result.
+
+`--pipeline png` (default) trains from PNG-encoded TFRecord files (written once, cached; see
+fashion_mnist.py) through a tf.data pipeline that decodes and augments every sample
+(`--augment heavy`: decode, resize 96, random crop 84, flip, resize 28; `light`: decode only);
+under a multi-worker strategy each worker decodes only its own replicas' samples
+(`--input-work unsplit`: every worker decodes every sample, the behaviour before the split of
+input work). The summary then holds each worker's input time per step (the per-sample map's
+work, measured in the pipeline) beside its compute time. `--pipeline arrays` trains from
+in-memory arrays (`from_tensor_slices`). The test set is in-memory arrays either way.
 """
 
 import argparse
@@ -99,10 +108,31 @@ class ComputeTimes(keras.callbacks.Callback):
                 self.windows.append((times.samples_per_step.tolist(), times.time_per_step.tolist()))
 
 
+def gather_input_work(strategy, meter, steps):
+    """Every worker's input work per training step, per replica (None without a meter).
+
+    A collective (`gather_replica_values`): every worker calls it at the same point.
+    """
+    if meter is None or not steps:
+        return None
+    local = len(strategy.extended.worker_devices)  # this worker's replicas share its meter
+    seconds, samples = strategy.gather_replica_values(np.tile(meter.read(), (local, 1))).T[:2]
+    return {"ms_per_step": (seconds / steps * 1e3).tolist(),
+            "samples_per_step": (samples / steps).tolist()}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["even", "static", "dynamic"], default="dynamic")
     parser.add_argument("--sizes", default="", help="per-replica sizes for --mode static")
+    parser.add_argument("--pipeline", choices=["png", "arrays"], default="png",
+                        help="training input: PNG TFRecords decoded per sample (default), or "
+                             "in-memory arrays")
+    parser.add_argument("--augment", choices=list(fashion_mnist.AUGMENTATIONS), default="heavy",
+                        help="--pipeline png: per-sample work (default heavy)")
+    parser.add_argument("--input-work", choices=["split", "unsplit"], default="split",
+                        help="multi-worker: each worker decodes its own samples only (split, "
+                             "default) or every sample (unsplit)")
     parser.add_argument("--model", choices=["cnn", "small_cnn", "linear"], default="cnn")
     parser.add_argument("--filters", type=int, default=16, help="conv filters (--model cnn)")
     parser.add_argument("--batch", type=int, default=128, help="global batch size")
@@ -127,24 +157,32 @@ def main(argv=None):
         strategy = hb.HeteroMirroredStrategy([f"/cpu:{i}" for i in range(n)])
     chief = strategy.is_chief
 
-    x, y, source = fashion_mnist.load("train", args.train_samples)
-    xt, yt, _ = fashion_mnist.load("test", args.test_samples)
-    if args.steps:
-        x, y = x[: args.steps * args.batch], y[: args.steps * args.batch]
-        xt, yt = xt[: 2 * args.batch], yt[: 2 * args.batch]
-    if chief:
-        print(f"data: {source}; {len(x)} train / {len(xt)} test samples; "
-              f"{strategy.num_replicas_in_sync} replicas; mode {args.mode}", flush=True)
-    # The same order on every worker (no shuffle across epochs would be unusual in real use:
-    # a seeded shuffle gives the same order everywhere too).
-    train = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=1).batch(args.batch)
+    train_samples = min(args.train_samples, args.steps * args.batch) if args.steps else args.train_samples
+    xt, yt, _ = fashion_mnist.load("test", 2 * args.batch if args.steps else args.test_samples)
+    meter = None
+    # The same order on every worker: a seeded shuffle.
+    if args.pipeline == "png":
+        records = fashion_mnist.png_records("train", train_samples)
+        meter = fashion_mnist.InputMeter()  # this worker's; outside the strategy scope
+        train = fashion_mnist.png_pipeline(records, args.batch, seed=1, augment=args.augment,
+                                           meter=meter)
+        n_train, source = records.count, records.source
+        input_text = f"PNG TFRecords, {args.augment} per-sample work, input work {args.input_work}"
+    else:
+        x, y, source = fashion_mnist.load("train", train_samples)
+        train = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=1).batch(args.batch)
+        n_train, input_text = len(x), "in-memory arrays"
     test = tf.data.Dataset.from_tensor_slices((xt, yt)).batch(args.batch)
+    strategy.split_input_work = args.input_work == "split"
+    if chief:
+        print(f"data: {source}; {n_train} train ({input_text}) / {len(xt)} test samples; "
+              f"{strategy.num_replicas_in_sync} replicas; mode {args.mode}", flush=True)
 
     if args.mode == "static":
         strategy.set_batch_sizes([int(s) for s in args.sizes.split(",")])
     with strategy.scope():
         model = make_model(args.model, args.filters)
-    steps = len(x) // args.batch + (len(x) % args.batch > 0)
+    steps = n_train // args.batch + (n_train % args.batch > 0)
     progress = Progress(chief, args.progress_every, steps)
     warmup = min(5, max(steps - 1, 1))
     times = ComputeTimes(strategy, warmup)
@@ -156,6 +194,7 @@ def main(argv=None):
     elif args.log_dir and chief:
         callbacks.append(keras.callbacks.TensorBoard(args.log_dir))
     model.fit(train, epochs=args.epochs, verbose=0, callbacks=callbacks)
+    input_work = gather_input_work(strategy, meter, len(progress.step_times))  # collective
     result = model.evaluate(test, verbose=0, return_dict=True)
 
     last = times.windows[len(times.windows) // 2:] or times.windows
@@ -176,6 +215,13 @@ def main(argv=None):
         "test_accuracy": float(result["accuracy"]),
         "test_loss": float(result["loss"]),
         "adjustments": len(dynamic.history) if dynamic is not None else 0,
+        "pipeline": args.pipeline,
+        "augment": args.augment if args.pipeline == "png" else None,
+        "input_work": args.input_work,
+        # Per replica (a worker's value for each of its replicas), over the whole run: the
+        # per-sample map's time and samples per training step (None for array input).
+        "input_ms_per_step": input_work and input_work["ms_per_step"],
+        "input_samples_per_step": input_work and input_work["samples_per_step"],
         "log_dir": args.log_dir,
     }
     if chief:

@@ -1,13 +1,17 @@
 """The examples run (tiny modes), so they cannot rot."""
 
+import glob
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import fashion_mnist  # noqa: E402
 
 
 def run(args, timeout):
@@ -31,13 +35,74 @@ def test_demo_tiny_mode_prints_the_comparison(tmp_path):
     # Exact training: the same model whatever the split, so the same test accuracy.
     assert summary["even"]["test_accuracy"] == pytest.approx(summary["dynamic"]["test_accuracy"], abs=0.01)
     assert os.path.isdir(summary["dynamic"]["log_dir"])
+    # The PNG pipeline by default; every worker's input time per step beside its compute time.
+    assert "input ms" in out and "compute ms" in out
+    for run_ in (summary["even"], summary["dynamic"]):
+        assert run_["pipeline"] == "png" and run_["input_work"] == "split"
+        assert len(run_["input_ms_per_step"]) == 3 and min(run_["input_ms_per_step"]) > 0
 
 
-def test_training_script_runs_on_one_host(tmp_path):
+@pytest.mark.parametrize("pipeline", ["png", "arrays"])
+def test_training_script_runs_on_one_host(tmp_path, pipeline):
     result = tmp_path / "r.json"
     run(["examples/train_fashion_mnist.py", "--replicas", "2", "--mode", "static", "--sizes",
          "40,24", "--batch", "64", "--steps", "4", "--epochs", "1", "--model", "small_cnn",
-         "--result", str(result)], 180)
+         "--pipeline", pipeline, "--result", str(result)], 180)
     summary = json.loads(result.read_text())
     assert summary["final_batch_sizes"] == [40, 24]
     assert summary["samples_per_step"] in (None, [40.0, 24.0])
+    assert summary["pipeline"] == pipeline
+    assert (summary["input_ms_per_step"] is None) == (pipeline == "arrays")
+
+
+def test_png_records_are_written_once_when_processes_race(tmp_path):
+    code = ("import sys; sys.path.insert(0, 'examples'); import fashion_mnist as fm; "
+            "r = fm.png_records('train', 300, cache_dir=sys.argv[1]); "
+            "print(r.count, r.bytes, *r.files)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [proc.communicate(timeout=180) for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outs]
+    assert len({out for out, _ in outs}) == 1  # every process sees the same files
+    assert not glob.glob(str(tmp_path / "**" / "*.tmp-*"), recursive=True)
+    records = fashion_mnist.png_records("train", 300, cache_dir=str(tmp_path))
+    assert records.count == 300 and outs[0][0].split()[2:] == records.files
+
+    import tensorflow as tf
+
+    features = {"image": tf.io.FixedLenFeature([], tf.string),
+                "label": tf.io.FixedLenFeature([], tf.int64)}
+    x, y, _ = fashion_mnist.load_uint8("train", 300)
+    stored = list(tf.data.TFRecordDataset(records.files).map(
+        lambda r: tf.io.parse_single_example(r, features)).as_numpy_iterator())
+    assert len(stored) == 300
+    assert [int(e["label"]) for e in stored] == y.tolist()
+    assert all((tf.io.decode_png(e["image"]).numpy()[..., 0] == x[i]).all()
+               for i, e in enumerate(stored))
+
+
+def test_png_pipeline_is_seeded_with_static_shapes_and_metered(tmp_path):
+    records = fashion_mnist.png_records("train", 256, cache_dir=str(tmp_path))
+    for augment in fashion_mnist.AUGMENTATIONS:
+        meter = fashion_mnist.InputMeter()
+        first = list(fashion_mnist.png_pipeline(records, 64, seed=5, augment=augment,
+                                                meter=meter).as_numpy_iterator())
+        again = list(fashion_mnist.png_pipeline(records, 64, seed=5,
+                                                augment=augment).as_numpy_iterator())
+        other = list(fashion_mnist.png_pipeline(records, 64, seed=6,
+                                                augment=augment).as_numpy_iterator())
+        assert len(first) == 4
+        assert all((a[0] == b[0]).all() and (a[1] == b[1]).all() for a, b in zip(first, again))
+        assert not all((a[1] == b[1]).all() for a, b in zip(first, other))
+        images = np.concatenate([b[0] for b in first])
+        assert images.shape == (256, 28, 28, 1) and images.min() >= 0 and images.max() <= 1
+        seconds, samples, own_bytes, read_bytes = meter.read()
+        assert seconds > 0 and samples == 256 and own_bytes == read_bytes == records.bytes
+    spec = fashion_mnist.png_pipeline(records, 64).element_spec
+    assert spec[0].shape.as_list() == [None, 28, 28, 1] and spec[1].shape.as_list() == [None]
+    # Decode only: the stored images themselves.
+    x, _, _ = fashion_mnist.load("train", 256)
+    light = np.concatenate([b[0] for b in fashion_mnist.png_pipeline(
+        records, 64, augment="light").as_numpy_iterator()])
+    assert np.allclose(np.sort(light.sum(axis=(1, 2, 3))), np.sort(x.sum(axis=(1, 2, 3))))
