@@ -43,11 +43,12 @@ def _finite(*values):
 
 
 @pytest.mark.parametrize("script", ["bench_overhead.py", "bench_hetero.py", "bench_sweep.py",
-                                    "bench_accuracy.py", "hetero_worker.py"])
+                                    "bench_accuracy.py", "bench_input.py", "hetero_worker.py",
+                                    "input_worker.py"])
 def test_benchmark_help(script):
     proc = _run(script, "--help")
     assert proc.returncode == 0, proc.stderr
-    if script != "hetero_worker.py":
+    if not script.endswith("_worker.py"):
         assert "--steps" in proc.stdout and "--out" in proc.stdout and "--seed" in proc.stdout
         assert "--repeats" in proc.stdout
 
@@ -168,3 +169,32 @@ def test_bench_async_tiny_mode(tmp_path):
         assert len(run["staleness"]["mean"]) == 2 and len(run["staleness"]["max"]) == 2
     assert data["ratios"]["asp_dynamic_vs_even_epoch"]["n"] == 1
     assert data["rounds"][0]["asp_dynamic_vs_even_epoch"] > 0
+
+
+def test_bench_input_tiny_mode(tmp_path):
+    """Both clusters, old and new input paths, the reference and the read amplification."""
+    out = tmp_path / "input.json"
+    proc = _run("bench_input.py", "--steps", "4", "--seed", "3", "--out", str(out))
+    data = _check(proc, out, ["clusters", "goals", "phases", "command", "date"],
+                  "| cluster | pipeline | input work | even ms |")
+    assert "| cluster | split | worker | share | samples decoded |" in proc.stdout
+    assert [c["name"] for c in data["clusters"]] == ["2 workers", "3 workers"]
+    for cluster in data["clusters"]:
+        k, batch = len(cluster["caps"]), data["batch"]
+        for paths in cluster["steps"].values():
+            assert set(paths) == {"split", "unsplit"}
+            for cells in paths.values():
+                assert set(cells) == {"even", "fixed", "dynamic"}
+                for cell in cells.values():
+                    assert cell["step_ms"]["median"] > 0
+                    assert all(sum(sizes) == batch for sizes in cell["sizes"])
+                    assert len(cell["input"]["seconds"]) == k
+        amp = cluster["amplification"]
+        assert amp["sizes"] == cluster["fixed"]
+        # Every worker reads every record; each decodes exactly its own share of each batch.
+        assert amp["read_bytes"] == [amp["file_bytes"]] * k
+        batches = amp["global_batches"][0]
+        assert amp["own_samples"] == [b * batches for b in cluster["fixed"]]
+        assert amp["own_bytes"][0] < amp["file_bytes"]
+    assert data["clusters"][0]["reference"]["new_over_reference"]["median"] > 0
+    assert set(data["goals"]) >= {"reference_met", "dynamic_met", "light_met"}

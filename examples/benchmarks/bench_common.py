@@ -45,8 +45,9 @@ class Captured(io.TextIOBase):
 
 
 def run_cluster(plan, caps, workdir, name, timeout, schedule=None, echo=True, threads=1,
-                cap_after=None):
-    """Runs `hetero_worker.py` with `plan` on len(caps) workers; returns the chief's result dict.
+                cap_after=None, worker=WORKER):
+    """Runs `worker` (default `hetero_worker.py`) with `plan` on len(caps) workers; returns the
+    chief's result dict.
 
     `plan["t0"]` is set to the wall clock just before the launch, so schedule times (seconds
     since the workers started) and the workers' step timestamps share one origin.
@@ -75,7 +76,7 @@ def run_cluster(plan, caps, workdir, name, timeout, schedule=None, echo=True, th
     caps = [None if c is None else float(c) for c in caps]
     stream = Captured(echo)
     started = time.perf_counter()
-    outcome = launch([WORKER, "--plan", plan_path, "--result", result_path], len(caps),
+    outcome = launch([worker, "--plan", plan_path, "--result", result_path], len(caps),
                      cpus=launch_caps if any(c is not None for c in launch_caps) else None,
                      schedule=schedule, threads=threads, timeout=timeout,
                      stdout=stream, stderr=stream, handle_signals=True)
