@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(WORKER))
 import mw_train  # noqa: E402
 
 
-def run_cluster(out, num_workers, *args, timeout=240):
-    log = io.StringIO()
+def run_cluster(out, num_workers, *args, timeout=240, log=None):
+    log = io.StringIO() if log is None else log
     result = launch(
         [WORKER, "--out", str(out), *args], num_workers, threads=1, timeout=timeout,
         stdout=log, stderr=log, handle_signals=False,
@@ -97,7 +97,15 @@ def test_two_workers_exact_with_a_sample_weighted_loss(tmp_path):
 
 
 def test_three_workers_even_split_of_an_indivisible_batch(tmp_path):
-    outputs = run_cluster(tmp_path, 3, "--epochs", "1")
+    log = io.StringIO()
+    outputs = run_cluster(tmp_path, 3, "--epochs", "1", "--log-collectives", log=log)
+    # The train step's collectives, as TensorFlow logs them when it builds them: one for the
+    # gradients and one for all the metrics' sums (the global-mean logs), one pack each.
+    lines = log.getvalue().splitlines()
+    start = lines.index("[worker 0] mw_train: training starts")
+    built = [line for line in lines[start:]
+             if line.startswith("[worker 0]") and "Collective all_reduce tensors" in line]
+    assert len(built) == 2 and all("num_packs = 1" in line for line in built), built
     ref = reference_weights(epochs=1)
     for weights, info in outputs:
         ours = weights_of(weights, len(ref))

@@ -784,3 +784,32 @@ def wait_at_coordination_barrier(barrier_id, timeout_s):
     from tensorflow.python.eager import context
 
     context.context().wait_at_barrier(barrier_id, int(timeout_s * 1000))
+
+
+# --- The global-mean logs in one collective (keras: Metric.stateless_result, KerasVariable) -----
+# Keras reads each metric variable (ON_READ SUM under a strategy) with its own cross-replica
+# reduce: one collective per variable per step (the loss's total and count, each compiled
+# metric's). Reducing all of them in one batch all-reduce (one pack, as for the gradients) and
+# computing the results from the sums with the public `Metric.stateless_result` gives the same
+# values for one collective. The tf.Variable under a Keras variable is `KerasVariable._value`.
+def metric_results_in_one_reduce(strategy, metrics):
+    """`model.get_metrics_result()` for `metrics`, with every variable summed across replicas
+    in one batch all-reduce; None (read them as Keras does) if a variable is not a SUM-on-read
+    distributed variable."""
+    variables = [v for metric in metrics for v in metric.variables]
+    values = [getattr(v, "_value", None) for v in variables]
+    if not values or not all(
+            isinstance(d, tf.distribute.DistributedValues)
+            and getattr(d, "aggregation", None) == tf.VariableAggregation.SUM for d in values):
+        return None
+    reduced = strategy.extended.batch_reduce_to(
+        tf.distribute.ReduceOp.SUM, [(d, d) for d in values])
+    sums = iter([strategy.experimental_local_results(r)[0] for r in reduced])
+    results = {}
+    for metric in metrics:
+        result = metric.stateless_result([next(sums) for _ in metric.variables])
+        if isinstance(result, dict):
+            results.update(result)
+        else:
+            results[metric.name] = result
+    return results

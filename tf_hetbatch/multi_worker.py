@@ -172,7 +172,15 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
     def reduce(self, reduce_op, value, axis):
         """As the stock `reduce`, handling what Keras 3 `fit` asks of a multi-worker strategy."""
         if axis is not None and _compat.is_scalar_reduce_with_axis(self, value, axis):
+            if _is_mean(reduce_op) and not isinstance(value, tf.distribute.DistributedValues):
+                # Keras's logs: this strategy's `run` made them global already (the same
+                # tensor on every worker), and their mean is themselves: no collective.
+                return value
             return super().reduce(reduce_op, value, None)
         if axis is None and _compat.is_data_batch_reduce(self, reduce_op, value):
             return tf.nest.map_structure(lambda v: _compat.largest_local_batch(self, v), value)
         return super().reduce(reduce_op, value, axis)
+
+
+def _is_mean(reduce_op):
+    return reduce_op == tf.distribute.ReduceOp.MEAN or str(reduce_op).upper() == "MEAN"

@@ -409,7 +409,9 @@ class HeteroMixin:
             if isinstance(t, tf.Tensor)
         ]
         with tf.control_dependencies(local_values):
-            results = model.get_metrics_result()
+            results = _compat.metric_results_in_one_reduce(self, model.metrics)
+            if results is None:
+                results = model.get_metrics_result()
         merged = dict(outputs)
         for name, value in results.items():
             if name in merged:

@@ -118,10 +118,14 @@ def main():
                         "batch(B) (runs unsplit); reorder: as batch-map, after a parallel "
                         "per-sample map with deterministic=False that reorders")
     parser.add_argument("--steps-per-execution", type=int, default=1)
+    parser.add_argument("--log-collectives", action="store_true",
+                        help="TensorFlow's INFO log (it names each all-reduce it builds)")
     parser.add_argument("--unseeded", action="store_true",
                         help="no global seed; the data is shuffled with no seed")
     args = parser.parse_args()
     logging.getLogger("tf_hetbatch").setLevel(logging.INFO)
+    if args.log_collectives:
+        tf.get_logger().setLevel("INFO")
 
     strategy = hb.HeteroMultiWorkerMirroredStrategy()
     if args.sizes:
@@ -165,6 +169,9 @@ def main():
         def __init__(self):
             super().__init__()
             self.counts = []
+
+        def on_train_begin(self, logs=None):  # after Keras's symbolic build, before tracing
+            print("mw_train: training starts", flush=True)
 
         def on_epoch_end(self, epoch, logs=None):
             self.counts.append([int(mapped.numpy()), len(sink.items)])
