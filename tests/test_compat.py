@@ -243,6 +243,11 @@ def test_tf_data_pipeline_structure_is_readable_from_its_python_objects():
     replayed = _compat.replay_map(tf.data.Dataset.from_tensor_slices(np.arange(5)), mapped)
     assert replayed._map_func.function is mapped.dataset._map_func.function
     assert list(replayed.as_numpy_iterator()) == [0, 2, 4, 6, 8]
+    # A shuffle replayed over another input gives the original's order.
+    step = _compat.pipeline_steps(tf.data.Dataset.range(20).shuffle(20, seed=5))[0]
+    replayed = _compat.replay_shuffle(step, tf.data.Dataset.range(20))
+    fresh = tf.data.Dataset.range(20).shuffle(20, seed=5)
+    assert list(replayed.as_numpy_iterator()) == list(fresh.as_numpy_iterator())
     # The split marker adds no op.
     marked = _compat.mark_split(ds)
     assert marked._variant_tensor is ds._variant_tensor

@@ -259,3 +259,37 @@ def test_seeded_random_augmentation_is_reproducible_and_varies_between_batches()
     # The random stream goes on from slice to slice (it is not restarted per batch).
     noise = [s[0] - np.floor(s[0]) for s in first]
     assert len({round(float(n[0]), 6) for n in noise}) == len(noise)
+
+
+def test_maps_under_a_seeded_shuffle_move_and_the_batches_stay_the_same():
+    # map, then shuffle: the shuffle is replayed with its own seeds on the raw samples.
+    counter = Counter()
+
+    def make():
+        ds = tf.data.Dataset.from_tensor_slices((np.arange(N), np.arange(N) % 5))
+        ds = ds.map(lambda x, y: (counter.count(), (tf.cast(x, tf.float32) * 2.0, y))[1])
+        return ds.shuffle(N, seed=4).map(lambda x, y: (x + 1.0, y)).batch(B)
+
+    for worker in range(K):
+        ours, plan = worker_slices(make, worker, [2, 3, 7], moved=True)
+        own = counter.take()
+        theirs, _ = worker_slices(make, worker, [2, 3, 7], moved=False)
+        counter.take()
+        assert plan.moved == 2
+        assert_same_slices(ours, theirs)
+        assert own == sum(len(s[1]) for s in ours)
+
+
+def test_an_unseeded_shuffle_over_maps_is_reseeded_and_the_maps_move():
+    tf.random.set_seed(None)
+
+    def make():
+        return tf.data.Dataset.range(N).map(lambda x: x * 2).shuffle(N).batch(B)
+
+    assert input_work.has_unseeded_shuffle(make())
+    plan = input_work.plan(make(), owns_every_replica=False, seed=9)
+    again = input_work.plan(make(), owns_every_replica=False, seed=9)
+    assert plan.moved == 1
+    first = np.concatenate(list(plan.raw.as_numpy_iterator()))
+    np.testing.assert_array_equal(first, np.concatenate(list(again.raw.as_numpy_iterator())))
+    np.testing.assert_array_equal(np.sort(first), np.arange(N))  # raw: the map moved

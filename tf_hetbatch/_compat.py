@@ -714,13 +714,36 @@ def _accepts(traced_for, spec):
                for old, new in zip(tf.nest.flatten(traced_for), tf.nest.flatten(spec)))
 
 
-def reseed_shuffle(step, dataset, seed):
-    """`step`'s shuffle (unseeded) rebuilt over `dataset` with `seed`: same buffer, same
-    reshuffling every iteration (each epoch still gets a new order, the same on every worker)."""
-    return dataset.shuffle(
-        step.buffer_size, seed=seed,
-        reshuffle_each_iteration=bool(getattr(step.dataset, "_reshuffle_each_iteration", True)),
-    )
+def replay_shuffle(step, dataset, seed=None):
+    """`step`'s shuffle (a "shuffle" PipelineStep) rebuilt over `dataset`.
+
+    With `seed` None, exactly the original (its buffer, its seed pair, its reshuffling), so
+    the order is the one the user's pipeline gives; with `seed`, that seed instead (for an
+    unseeded shuffle: each epoch still gets a new order, the same on every worker).
+    """
+    reshuffle = bool(getattr(step.dataset, "_reshuffle_each_iteration", True))
+    if seed is not None:
+        return dataset.shuffle(step.buffer_size, seed=seed, reshuffle_each_iteration=reshuffle)
+    from tensorflow.python.data.ops import dataset_ops
+    from tensorflow.python.ops import gen_dataset_ops
+
+    original = step.dataset
+
+    class _ReplayedShuffle(dataset_ops.UnaryUnchangedStructureDataset):
+        def __init__(self, input_dataset):
+            self._input_dataset = input_dataset
+            self._buffer_size = original._buffer_size
+            self._seed, self._seed2 = original._seed, original._seed2
+            self._reshuffle_each_iteration = reshuffle
+            self._name = None
+            variant = gen_dataset_ops.shuffle_dataset_v3(
+                input_dataset._variant_tensor, buffer_size=self._buffer_size,
+                seed=self._seed, seed2=self._seed2,
+                seed_generator=gen_dataset_ops.dummy_seed_generator(),
+                reshuffle_each_iteration=reshuffle, **self._common_args)
+            super().__init__(input_dataset, variant)
+
+    return _ReplayedShuffle(dataset)
 
 
 def _split_marker_class():

@@ -9,8 +9,10 @@ where each sample's work runs changes.
 
 Recognised automatically (`plan`):
 - `source [.shuffle(n, seed)] .map(f, ...)* .batch(B) [.prefetch(p)]`, the idiomatic form
-  (`repeat`, `take` and `skip` of global batches may follow the batch):
-  the maps directly under the batch run per replica slice, on that slice's samples.
+  (maps and shuffles in any order under the batch; `repeat`, `take` and `skip` of global
+  batches may follow it): the maps run per replica slice, on that slice's samples. A shuffle
+  moves samples by position whatever they hold, so shuffling the raw samples before the maps
+  gives the same global batches (and holds raw, often smaller, samples in its buffer).
 - Keras's array input, `fit(x, y, batch_size=B)`: batches of sample indices, then a gather;
   each worker gathers only its own replicas' indices.
 - `... .batch(B).apply(tf_hetbatch.split_here()).map(g)*`: the explicit form for anything
@@ -39,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 # Transformations of whole global batches after the split point: re-applied to the raw ones.
 _KEPT_ON_TOP = ("prefetch", "options", "repeat", "take", "skip")
+# Per-sample transformations right under the batch that the split can see through.
+_UNDER_BATCH = ("map", "shuffle", "split_marker")
 
 
 def split_here():
@@ -166,46 +170,46 @@ def plan(dataset, owns_every_replica, seed=None, evaluation=False):
             "end the pipeline with .batch(B) (then .prefetch), or mark the split point with "
             ".apply(tf_hetbatch.split_here())"
         ))
+    # Under the batch: per-sample maps and shuffles (maps commute with a shuffle: it moves
+    # samples by position, whatever they hold), and maybe the marker.
     below = top + 1
-    while steps[below].kind == "map":
+    while steps[below].kind in _UNDER_BATCH:
         below += 1
-    if steps[below].kind == "split_marker":
-        below_marker = below + 1
-    else:
-        below_marker = below
-    maps = steps[top + 1:below]
-    source = steps[below_marker - 1].input if below_marker > top + 1 else batch.input
-    shuffle = steps[below_marker]
-    reseed = (seed is not None and not evaluation and shuffle.kind == "shuffle"
-              and not shuffle.seeded)
-    if reseed:
-        source = _compat.reseed_shuffle(shuffle, shuffle.input, seed)
-        logger.debug("unseeded shuffle given the workers' agreed seed %d", seed)
+    under = steps[top + 1:below]  # outermost first
+    maps = [step for step in under if step.kind == "map"]
+    reseed = (seed is not None and not evaluation
+              and any(step.kind == "shuffle" and not step.seeded for step in under))
+    reason = ""
+    empty = _empty_batch(batch.dataset.element_spec)
     if not maps and not owns_every_replica:
-        between = _compat.first_map_below(batch.input)
+        between = _compat.first_map_below(steps[below - 1].input if under else batch.input)
         if between is not None:
             reason = (f"its per-sample maps are not right under batch(): {between} stands "
                       "between them. Fix: put the per-sample maps right before batch(), or mark "
                       "the split point with .apply(tf_hetbatch.split_here())")
-            return InputPlan(dataset, reason=reason)
-    if owns_every_replica or not maps:
-        if not reseed:
-            return InputPlan(dataset)
-        for step in reversed(maps):
+    elif maps and not owns_every_replica and empty is None:
+        reason = ("the per-sample maps' outputs have no static shape, so an empty replica slice "
+                  f"cannot be built (element_spec={batch.dataset.element_spec}). Fix: give them "
+                  "static shapes, e.g. with tf.ensure_shape in the last map")
+    move = bool(maps) and not owns_every_replica and not reason
+    if not move and not reseed:
+        return InputPlan(dataset, reason=reason)
+    source = steps[below - 1].input if under else batch.input
+    for step in reversed(under):  # innermost first, as the user built it
+        if step.kind == "shuffle":
+            agreed = seed if reseed and not step.seeded else None
+            source = _compat.replay_shuffle(step, source, agreed)
+        elif step.kind == "map" and not move:
             source = _compat.replay_map(source, step)
-        return InputPlan(rebuilt(source.batch(batch.batch_size,
-                                              drop_remainder=batch.drop_remainder)))
-    empty = _empty_batch(batch.dataset.element_spec)
-    if empty is None:
-        return InputPlan(dataset, reason=(
-            "the per-sample maps' outputs have no static shape, so an empty replica slice "
-            f"cannot be built (element_spec={batch.dataset.element_spec}). Fix: give them "
-            "static shapes, e.g. with tf.ensure_shape in the last map"
-        ))
+    if reseed:
+        logger.debug("unseeded shuffle given the workers' agreed seed %d", seed)
+    raw = source.batch(batch.batch_size, drop_remainder=batch.drop_remainder)
+    if not move:
+        return InputPlan(rebuilt(raw), reason=reason)
 
     def finish_slice(raw_slice):
         samples = tf.data.Dataset.from_tensor_slices(raw_slice)
-        for step in reversed(maps):
+        for step in reversed(maps):  # innermost first
             samples = _compat.replay_map(samples, step)
         n = tf.shape(tf.nest.flatten(raw_slice)[0], out_type=tf.int64)[0]
         # One batch of all n samples; for n == 0 the batch() gives nothing and the empty
@@ -213,7 +217,6 @@ def plan(dataset, owns_every_replica, seed=None, evaluation=False):
         batched = samples.batch(tf.maximum(n, 1))
         return batched.concatenate(tf.data.Dataset.from_tensors(empty)).take(1)
 
-    raw = source.batch(batch.batch_size, drop_remainder=batch.drop_remainder)
     return InputPlan(rebuilt(raw), finish_slice=finish_slice, moved=len(maps))
 
 
@@ -226,9 +229,11 @@ def has_unseeded_shuffle(dataset) -> bool:
     if steps[index].kind != "batch":
         return False
     index += 1
-    while steps[index].kind in ("map", "split_marker"):
+    while steps[index].kind in _UNDER_BATCH:
+        if steps[index].kind == "shuffle" and not steps[index].seeded:
+            return True
         index += 1
-    return steps[index].kind == "shuffle" and not steps[index].seeded
+    return False
 
 
 def _empty_batch(element_spec):
