@@ -178,7 +178,8 @@ def test_split_here_changes_nothing_without_a_strategy():
     ds = tf.data.Dataset.range(10).batch(4)
     marked = ds.apply(hb.split_here())
     assert marked.element_spec == ds.element_spec
-    assert [list(b) for b in marked.as_numpy_iterator()] == [list(b) for b in ds.as_numpy_iterator()]
+    batches = [list(b) for b in ds.as_numpy_iterator()]
+    assert [list(b) for b in marked.as_numpy_iterator()] == batches
 
 
 @pytest.mark.parametrize("make, why", [

@@ -533,9 +533,10 @@ def disable_partial_batch_handling(distributed):
 # `.function` is the traced concrete function, `._func` the Python function, `.output_structure`
 # its output spec) and its parallelism (`_num_parallel_calls`, `_deterministic`), a batch its
 # `_batch_size` / `_drop_remainder`, a prefetch its `_buffer_size`, a shuffle its `_buffer_size`,
-# `_seed`, `_seed2` and `_reshuffle_each_iteration`, a repeat, take or skip its `_count` (TF 2.21). Public tf.data has no view of a
-# pipeline's transformations. Anything not recognised here is "other": the
-# pipeline then runs unsplit, as before, so an upstream change costs speed, never correctness.
+# `_seed`, `_seed2` and `_reshuffle_each_iteration`, a repeat, take or skip its `_count`
+# (TF 2.21). Public tf.data has no view of a pipeline's transformations. Anything not
+# recognised here is "other": the pipeline then runs unsplit, as before, so an upstream change
+# costs speed, never correctness.
 _TRANSFORM_KINDS = {
     "_PrefetchDataset": "prefetch",
     "_OptionsDataset": "options",

@@ -1,6 +1,7 @@
 """HeteroMirroredStrategy: MirroredStrategy with uneven, exactly weighted per-replica batches."""
 
 import logging
+import weakref
 from typing import Optional, Sequence, Tuple
 
 import keras
@@ -36,7 +37,7 @@ class HeteroMixin:
         # False once the training data's per-sample work runs after the split: its sample
         # weights are then known per worker only (see the multi-worker `_step_total`).
         self._weights_in_pipeline = True
-        self._said_unsplit = set()  # ids of datasets whose unsplit input was logged
+        self._said_unsplit = weakref.WeakSet()  # datasets whose unsplit input was logged
         self._split_input_work = True
         self._timing = timing.TimingAccumulators(
             self, self._num_local_replicas(), from_release=self._time_from_release()
@@ -252,8 +253,8 @@ class HeteroMixin:
             _compat.disable_partial_batch_handling(distributed)
         if plans and not evaluation:
             self._weights_in_pipeline = plans[0].weights_in_raw
-        if plans and plans[0].reason and self._is_chief() and id(dataset) not in self._said_unsplit:
-            self._said_unsplit.add(id(dataset))
+        if plans and plans[0].reason and self._is_chief() and dataset not in self._said_unsplit:
+            self._said_unsplit.add(dataset)
             logger.warning(
                 "The input pipeline runs unsplit: every worker does all of its per-sample work "
                 "for every global batch, not only for its own samples, because %s.",
