@@ -56,6 +56,7 @@ def run_cluster(plan, caps, workdir, name, timeout, schedule=None, echo=True, th
     import TensorFlow) and apply `caps` by the launcher's schedule `cap_after` seconds after
     the start; the workers run their `warmup` phase, then wait until `cap_after + 1` s
     (`plan["start_at"]`) before the measured phases. `schedule` entries (text) are appended.
+    Every worker line goes to `<workdir>/<name>.log`.
     """
     os.makedirs(workdir, exist_ok=True)
     plan = dict(plan)
@@ -80,10 +81,14 @@ def run_cluster(plan, caps, workdir, name, timeout, schedule=None, echo=True, th
                      cpus=launch_caps if any(c is not None for c in launch_caps) else None,
                      schedule=schedule, threads=threads, timeout=timeout,
                      stdout=stream, stderr=stream, handle_signals=True)
+    log_path = os.path.join(workdir, f"{name}.log")
+    with open(log_path, "w") as f:  # every worker line, TensorFlow's included
+        f.write("\n".join(stream.lines) + "\n")
     if not outcome.ok or not os.path.exists(result_path):
         tail = [line for line in stream.lines if not any(n in line for n in NOISE)][-40:]
         sys.stdout.write("\n".join(tail) + "\n")
-        raise SystemExit(f"{name}: the cluster run failed: {outcome.message}")
+        raise SystemExit(f"{name}: the cluster run failed: {outcome.message} (full log: "
+                         f"{log_path})")
     with open(result_path) as f:
         result = json.load(f)
     result["wall_seconds"] = time.perf_counter() - started

@@ -96,6 +96,7 @@ def make_plan(args, cluster, tiny):
                    "samples": 640 if tiny else args.amp_samples})
     return {"task": "input", "model": "cnn", "filters": args.filters, "batch": args.batch,
             "train_samples": 640 if tiny else args.train_samples, "seed": args.seed,
+            "shuffle_buffer": args.shuffle_buffer,
             "decode_free": [int(np.argmin(cluster["caps"]))], "phases": phases}
 
 
@@ -365,6 +366,10 @@ def main(argv=None):
                         help="conv filters of the CNN (default 32; tiny mode 4)")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--train-samples", type=int, default=12800)
+    parser.add_argument("--shuffle-buffer", type=int, default=2048,
+                        help="shuffle buffer of the pipelines, records (default 2048; every "
+                             "fit fills it, twice: Keras pulls a first batch from an iterator "
+                             "of its own)")
     parser.add_argument("--dynamic-steps", type=int, default=200,
                         help="steps of a DynamicBatching() phase (its second half measured)")
     parser.add_argument("--h2h-blocks", type=int, default=None,
@@ -374,7 +379,7 @@ def main(argv=None):
     parser.add_argument("--cap-after", type=float, default=20.0,
                         help="start uncapped, apply the caps this many seconds after the "
                              "start, before the measured phases (default 20)")
-    parser.add_argument("--timeout", type=float, default=1800, help="per cluster run, seconds")
+    parser.add_argument("--timeout", type=float, default=3600, help="per cluster run, seconds")
     args = parser.parse_args(argv)
     tiny = args.steps is not None
     if tiny and args.steps < 2:
@@ -390,33 +395,41 @@ def main(argv=None):
     json_path, png, workdir = bc.out_paths(args.out)
     when = bc.now_utc()
     started = time.time()
-    analyses, results = [], {}
+    analyses, results, failed = [], {}, []
     for cluster in clusters:
         caps = [None] * len(cluster["caps"]) if tiny else cluster["caps"]
         plan = make_plan(args, cluster, tiny)
         print(f"bench_input: {cluster['name']}, caps {caps}, fixed split {cluster['fixed']}, "
               f"{len(plan['phases'])} phases", flush=True)
-        result = bc.run_cluster(plan, caps, workdir, f"input_{cluster['key']}", args.timeout,
-                                cap_after=None if tiny else args.cap_after,
-                                worker=INPUT_WORKER)
+        try:
+            result = bc.run_cluster(plan, caps, workdir, f"input_{cluster['key']}", args.timeout,
+                                    cap_after=None if tiny else args.cap_after,
+                                    worker=INPUT_WORKER)
+        except SystemExit as failure:  # report the other clusters, then fail
+            failed.append(f"{cluster['name']}: {failure}")
+            print(failed[-1], flush=True)
+            continue
         results[cluster["key"]] = result
         a = analyse_cluster(result, cluster, args.batch, args.seed)
         a["key"] = cluster["key"]
         analyses.append(a)
+    if not analyses:
+        raise SystemExit("bench_input: every cluster run failed: " + "; ".join(failed))
     lines, goals = report(analyses, args, when)
+    lines += [f"FAILED: {f}" for f in failed]
     print("\n" + "\n".join(lines))
     plot(analyses, png, args.batch)
     bc.write_json(json_path, {
         "benchmark": "bench_input", "date": when, "seed": args.seed, "tiny": tiny,
         "model": "cnn", "filters": args.filters, "batch": args.batch, "repeats": args.repeats,
-        "clusters": analyses, "goals": goals,
+        "clusters": analyses, "goals": goals, "failed": failed,
         "phases": {key: [{k: v for k, v in p.items() if k != "step_seconds"}
                          for p in r["phases"]] for key, r in results.items()},
         "elapsed_s": time.time() - started, "environment": bc.environment(), "png": png,
         "command": " ".join(["python", "examples/benchmarks/bench_input.py"] + list(
             argv if argv is not None else sys.argv[1:]))})
     print(f"\nJSON: {json_path}\nPNG:  {png}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

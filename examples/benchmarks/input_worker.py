@@ -6,8 +6,8 @@ Started by `bench_input.py` through `tf_hetbatch.launch.launch` (TF_CONFIG set),
     python examples/benchmarks/input_worker.py --plan plan.json --result result.json
 
 Trains `make_model(model, filters)` at global batch `batch` from PNG TFRecords of the first
-`train_samples` Fashion-MNIST images (`fashion_mnist.png_records`, repeated), with an
-`InputMeter` in the pipeline. `phases` is a list of:
+`train_samples` Fashion-MNIST images (`fashion_mnist.png_records`, repeated, a shuffle buffer
+of `shuffle_buffer` records), with an `InputMeter` in the pipeline. `phases` is a list of:
 
 - `{"name", "kind": "static" | "warmup", "pipeline", "input_work", "sizes", "steps", "skip"}`:
   a fixed split (`[..]` or "even", set with `set_batch_sizes`, a collective) for `steps`
@@ -153,7 +153,8 @@ class Pipelines:
         augment = "light" if kind == "light" else "heavy"
         dataset = fashion_mnist.png_pipeline(
             records, self.plan["batch"], seed=self.plan["seed"], augment=augment,
-            meter=self.meter, repeat=samples is None, decode=decode)
+            meter=self.meter, repeat=samples is None, decode=decode,
+            shuffle_buffer=self.plan.get("shuffle_buffer"))
         if samples is None:
             self._cache[key] = dataset
         return dataset
