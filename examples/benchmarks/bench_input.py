@@ -92,8 +92,7 @@ def make_plan(args, cluster, tiny):
     phases.append({"name": "amplification set-up", "kind": "static", "pipeline": "heavy",
                    "input_work": "split", "sizes": fixed, "steps": 10, "skip": 9})
     phases.append({"name": "amplification", "kind": "epoch", "pipeline": "heavy",
-                   "input_work": "split", "sizes": fixed,
-                   "samples": 640 if tiny else args.amp_samples})
+                   "input_work": "split", "samples": 640 if tiny else args.amp_samples})
     return {"task": "input", "model": "cnn", "filters": args.filters, "batch": args.batch,
             "train_samples": 640 if tiny else args.train_samples, "seed": args.seed,
             "shuffle_buffer": args.shuffle_buffer,

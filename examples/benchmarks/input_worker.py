@@ -10,15 +10,17 @@ Trains `make_model(model, filters)` at global batch `batch` from PNG TFRecords o
 of `shuffle_buffer` records), with an `InputMeter` in the pipeline. `phases` is a list of:
 
 - `{"name", "kind": "static" | "warmup", "pipeline", "input_work", "sizes", "steps", "skip"}`:
-  a fixed split (`[..]` or "even", set with `set_batch_sizes`, a collective) for `steps`
+  a fixed split (`[..]` or "even", set with `set_batch_sizes` when the fit begins) for `steps`
   steps, the first `skip` not measured (the switch lag);
 - `{"name", "kind": "dynamic", "pipeline", "input_work", "steps"}`: a fresh
   `DynamicBatching()` (library defaults); its second half is measured;
-- `{"name", "kind": "epoch", "pipeline", "input_work", "sizes", "samples"}`: read
-  amplification: one pass over a finite pipeline of the first `samples` records, through the
-  strategy's distributed dataset (what `fit` iterates; no training): bytes read by the
-  process (`/proc/self/io` rchar) and by the pipeline against its own samples' bytes. Put
-  these last (they produce batches that are never trained).
+- `{"name", "kind": "epoch", "pipeline", "input_work", "samples"}`: read amplification:
+  one pass over a finite pipeline of the first `samples` records, through the strategy's
+  distributed dataset (what `fit` iterates; no training), at the split in force (put a
+  static phase of at least SWITCH_MARGIN + 2 steps at the wanted split before it): bytes read
+  by the process (`/proc/self/io` rchar) and by the pipeline against its own samples' bytes.
+  Put these last (they produce batches that are never trained, so no split may be set after
+  them).
 
 `pipeline`: "heavy" (decode + resize + random crop + flip + resize), "light" (decode only) or
 "reference": heavy, except on the workers listed in the plan's `decode_free`, whose per-sample
@@ -103,6 +105,24 @@ class Window(keras.callbacks.Callback):
                              "samples_per_step": times.samples_per_step.tolist()}
 
 
+class SetSplit(keras.callbacks.Callback):
+    """Sets a fixed split when the fit begins (a collective, the same point on every worker).
+
+    Not between fits: a finished fit's iterator may have produced more than SWITCH_MARGIN
+    batches beyond the steps trained, and `set_batch_sizes` then refuses the switch, although
+    those batches are never trained (seen once in ~40 fits here: 9 ahead on the 0.2-CPU
+    worker). When the fit begins, Keras has pulled the first batch from a fresh iterator,
+    whose keys restart at the steps trained.
+    """
+
+    def __init__(self, strategy, sizes):
+        super().__init__()
+        self.strategy, self.sizes = strategy, sizes
+
+    def on_train_begin(self, logs=None):
+        self.strategy.set_batch_sizes(self.sizes)
+
+
 def gather_rows(strategy, row):
     """Every replica's copy of its worker's `row` (a collective)."""
     local = len(strategy.extended.worker_devices)
@@ -181,7 +201,7 @@ def run_phase(model, strategy, pipelines, phase, plan, chief):
         first, read_busy = steps // 2, False
     else:
         sizes = resolve_sizes(phase.get("sizes", "even"), batch, k)
-        strategy.set_batch_sizes(sizes)  # a collective: every worker at the same point
+        callbacks.append(SetSplit(strategy, sizes))
         skip = int(phase.get("skip", multi_worker.SWITCH_MARGIN + 4))
         first = min(skip, max(steps - 2, 0))
         record.update(sizes=sizes, skip=first)
@@ -224,9 +244,7 @@ def run_phase(model, strategy, pipelines, phase, plan, chief):
 
 def run_epoch(strategy, pipelines, phase, plan, chief):
     """Read amplification: one pass over a finite pipeline's distributed dataset."""
-    k, batch = strategy.num_replicas_in_sync, plan["batch"]
-    sizes = resolve_sizes(phase["sizes"], batch, k)
-    strategy.set_batch_sizes(sizes)  # a collective
+    sizes = list(strategy.batch_sizes)  # set by the phase before (see `SetSplit`)
     strategy.split_input_work = phase["input_work"] == "split"
     dataset = pipelines.get(phase["pipeline"], samples=int(phase["samples"]))
     records = fashion_mnist.png_records("train", int(phase["samples"]))
