@@ -224,6 +224,37 @@ def test_partial_batch_handling_is_a_per_dataset_flag_read_by_its_iterators(cpus
     assert batches == [[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 0, 0]]
 
 
+def test_next_as_optional_reads_what_it_needs(cpus):
+    # _compat.next_as_optional (Keras's multi-step loop, steps_per_execution > 1) rebuilds
+    # TensorFlow's get_next_as_optional without the replica count from private parts of the
+    # distributed iterator. It must yield what get_next yields, then an empty optional; if
+    # those parts go, it falls back to TensorFlow's own (correct, with the count).
+    ours = hb.HeteroMirroredStrategy(cpus[:3])
+    ours.set_batch_sizes([2, 0, 1])
+    data = tf.data.Dataset.range(10).batch(3)  # a partial last batch
+    iterator = iter(ours.experimental_distribute_dataset(data))
+    for attribute in ("_enable_get_next_as_optional", "_cardinality", "_iterators",
+                      "_input_workers", "_replica_order", "_reorder_replicas", "_strategy"):
+        assert hasattr(iterator, attribute), attribute
+    from tensorflow.python.distribute import input_lib
+    assert callable(input_lib._create_per_replica)
+    assert iterator._enable_get_next_as_optional is False
+
+    @tf.function
+    def take(it):
+        optional = _compat.next_as_optional(it)
+        if optional.has_value():
+            return True, [tf.size(t) for t in ours.experimental_local_results(
+                optional.get_value())]
+        return False, [tf.constant(-1)] * 3
+
+    seen = []
+    for _ in range(5):
+        has, sizes = take(iterator)
+        seen.append([int(s) for s in sizes] if bool(has) else None)
+    assert seen == [[2, 0, 1], [2, 0, 1], [2, 0, 1], [1, 0, 0], None]
+
+
 def test_tf_data_pipeline_structure_is_readable_from_its_python_objects():
     # tf_hetbatch.input_work moves per-sample maps after the split by reading this structure.
     ds = tf.data.Dataset.from_tensor_slices(np.arange(10)).shuffle(10, seed=1)

@@ -230,6 +230,10 @@ def test_steps_per_execution_with_a_switch_and_input_after_the_split(tmp_path):
     outputs = run_cluster(tmp_path, 2, "--n", str(n), "--sizes", "5,27", "--switch-step", "2",
                           "--switch-sizes", "20,12", "--pipeline", "per-sample-map",
                           "--steps-per-execution", "4")
+    # One collective per step (the gradients), the logs' once per execution: no count of the
+    # replicas with data before each step.
+    assert all(info["collectives"] == {"per_step": 1, "per_execution": 1}
+               for _, info in outputs), [info["collectives"] for _, info in outputs]
     assert_every_worker_equals(reference_weights(n=n), outputs)
     assert_every_sample_once_per_epoch(outputs, n, 2)
     count = len(reference_weights(n=n))

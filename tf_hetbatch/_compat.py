@@ -9,8 +9,10 @@ Nothing here patches a class or a module: where an object must be adapted, it is
 adapted only under a tf_hetbatch strategy.
 """
 
+import contextlib
 import itertools
 import logging
+import threading
 
 import keras
 import tensorflow as tf
@@ -154,7 +156,7 @@ def _make_function_inlined(self, step_function):
                 has_next, no_has_next)
             return (execution_step + 1, next_optional_outputs,
                     tf.cond(tf.less(execution_step + 1, self.steps_per_execution),
-                            lambda: iterator.get_next_as_optional(),
+                            lambda: next_as_optional(iterator),
                             lambda: next_optional_inputs))
 
         def body(execution_step, optional_outputs, next_optional_inputs):
@@ -163,11 +165,22 @@ def _make_function_inlined(self, step_function):
                     execution_step, optional_outputs, next_optional_inputs)
             return execution_step, optional_outputs, next_optional_inputs
 
-        _, final_optional_outputs, _ = tf.while_loop(
-            cond, body,
-            loop_vars=[tf.constant(0), empty_outputs, iterator.get_next_as_optional()])
+        strategy = self.distribute_strategy
+        global_logs = getattr(strategy, "global_logs", None)
+        with deferred_global_logs(global_logs is not None):
+            _, final_optional_outputs, _ = tf.while_loop(
+                cond, body,
+                loop_vars=[tf.constant(0), empty_outputs, next_as_optional(iterator)])
         final_optional_outputs._element_spec = empty_outputs.element_spec
-        return final_optional_outputs
+        if global_logs is None:
+            return final_optional_outputs
+        # The last step's logs, made global in one all-reduce per execution (every worker
+        # takes the same branch: their data ends together).
+        final = final_optional_outputs
+        return tf.cond(
+            final.has_value(),
+            lambda: tf.experimental.Optional.from_value(global_logs(self, final.get_value())),
+            lambda: final)
 
     if not self.run_eagerly:
         multi_step_on_iterator = tf.function(multi_step_on_iterator, reduce_retracing=True)
@@ -182,7 +195,28 @@ def _make_function_inlined(self, step_function):
             outputs = one_step_on_data(data)
         return outputs
 
+    function.multi_step = multi_step_on_iterator  # the traced execution, for inspection
     return function
+
+
+_DEFERRED = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_global_logs(on=True):
+    """While tracing a multi-step loop: our strategies' `run` returns logs of the right structure
+    without the cross-replica reduce (`global_logs_deferred()`); only the loop's last logs are
+    read, and `_make_function_inlined` makes those global after the loop."""
+    previous = getattr(_DEFERRED, "on", False)
+    _DEFERRED.on = bool(on)
+    try:
+        yield
+    finally:
+        _DEFERRED.on = previous
+
+
+def global_logs_deferred():
+    return getattr(_DEFERRED, "on", False)
 
 
 def check_steps_per_execution(model):
@@ -526,6 +560,43 @@ def disable_partial_batch_handling(distributed):
     return distributed
 
 
+# `DistributedIterator.get_next_as_optional`, which Keras's multi-step loop calls, ignores that
+# switch: it always counts the replicas with values, and across workers that count is an
+# all-reduce before every step (TensorFlow skips it only for an infinite cardinality, which our
+# split pipelines do not declare). For an iterator whose switch is off, i.e. one whose replicas'
+# data ends together, `next_as_optional` is the same optional without the count: the local
+# replicas' `has_value` is every replica's. Private reads: `_enable_get_next_as_optional`,
+# `_iterators`, `_input_workers`, `_replica_order`, `_reorder_replicas`, `_strategy` and
+# `input_lib._create_per_replica`; canary `test_next_as_optional_reads_what_it_needs`.
+def next_as_optional(iterator):
+    """`iterator.get_next_as_optional()`, with no cross-worker count where data ends together."""
+    try:
+        from tensorflow.python.distribute import input_lib
+
+        local = (getattr(iterator, "_enable_get_next_as_optional", True) is False
+                 and iterator._cardinality != tf.data.INFINITE_CARDINALITY)
+        create_per_replica = input_lib._create_per_replica
+    except (ImportError, AttributeError) as error:  # pragma: no cover - upstream change
+        logger.debug("next_as_optional falls back to get_next_as_optional (%s)", error)
+        local = False
+    if not local:
+        return iterator.get_next_as_optional()
+    optionals = []
+    for i, worker in enumerate(iterator._input_workers.worker_devices):
+        with tf.device(worker):
+            optionals.append(iterator._iterators[i].get_next_as_optional_list())
+
+    def value():
+        values = [optional.get_value() for worker in optionals for optional in worker]
+        if iterator._replica_order is not None:
+            values = iterator._reorder_replicas(values)
+        return tf.experimental.Optional.from_value(
+            create_per_replica(values, iterator._strategy))
+
+    return tf.cond(optionals[0][0].has_value(), value,
+                   lambda: tf.experimental.Optional.empty(iterator.element_spec))
+
+
 # --- The structure of a tf.data pipeline (tensorflow, no public API) ----------------------------
 # To move per-sample input work after the split (`tf_hetbatch.input_work`), the strategy reads
 # how a pipeline was built: each Python `Dataset` of a transformation keeps its input in
@@ -816,19 +887,21 @@ def wait_at_coordination_barrier(barrier_id, timeout_s):
 # metric's). Reducing all of them in one batch all-reduce (one pack, as for the gradients) and
 # computing the results from the sums with the public `Metric.stateless_result` gives the same
 # values for one collective. The tf.Variable under a Keras variable is `KerasVariable._value`.
-def metric_results_in_one_reduce(strategy, metrics):
+def metric_results_in_one_reduce(strategy, metrics, reduce=True):
     """`model.get_metrics_result()` for `metrics`, with every variable summed across replicas
     in one batch all-reduce; None (read them as Keras does) if a variable is not a SUM-on-read
-    distributed variable."""
+    distributed variable. With `reduce=False`, the same structure from the first local
+    replica's variables, at no communication."""
     variables = [v for metric in metrics for v in metric.variables]
     values = [getattr(v, "_value", None) for v in variables]
     if not values or not all(
             isinstance(d, tf.distribute.DistributedValues)
             and getattr(d, "aggregation", None) == tf.VariableAggregation.SUM for d in values):
         return None
-    reduced = strategy.extended.batch_reduce_to(
-        tf.distribute.ReduceOp.SUM, [(d, d) for d in values])
-    sums = iter([strategy.experimental_local_results(r)[0] for r in reduced])
+    if reduce:
+        values = strategy.extended.batch_reduce_to(
+            tf.distribute.ReduceOp.SUM, [(d, d) for d in values])
+    sums = iter([strategy.experimental_local_results(r)[0] for r in values])
     results = {}
     for metric in metrics:
         result = metric.stateless_result([next(sums) for _ in metric.variables])

@@ -410,12 +410,12 @@ def split_global_batches(
     slices = per_batch.flat_map(_itself)
     if plan is not None and plan.finish_slices is not None:
         slices = plan.finish_slices(slices)
-    if plan is not None and plan.moved:
-        # The moved work is done one global batch ahead, as the user's prefetch did it before
-        # (that prefetch now holds raw batches, before the split's bookkeeping, whose keys
-        # must stay within SWITCH_MARGIN of training).
-        slices = slices.prefetch(count)
-    return slices
+    # One global batch ahead of training (the moved work too, as the user's prefetch did it
+    # before; that prefetch now holds raw batches, before the split's bookkeeping). A fixed
+    # buffer bounds how far the bookkeeping runs ahead of training, which a switch's start
+    # must exceed (SWITCH_MARGIN): ending on a synchronous map, the pipeline would get
+    # tf.data's injected prefetch, whose autotuned buffer grows without that bound.
+    return slices.prefetch(count)
 
 
 def _itself(dataset):

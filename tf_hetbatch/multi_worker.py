@@ -13,8 +13,10 @@ from tf_hetbatch.strategy import HeteroMixin, weighting_amount
 logger = logging.getLogger(__name__)
 
 # A new split starts this many steps after the current one, so no worker's input pipeline has
-# produced that step's batch yet (pipelines run at most a few batches ahead of training: the
-# distributed iterator's prefetch). Checked after every switch.
+# produced that step's batch yet. The split pipeline's bookkeeping runs at most 3 batches
+# ahead of training: its own fixed one-batch prefetch (`input_split.split_global_batches`),
+# the distributed iterator's one-element buffer, the batch in flight. Checked after every
+# switch.
 SWITCH_MARGIN = 8
 
 

@@ -383,7 +383,9 @@ class HeteroMixin:
                  if isinstance(t, tf.Tensor)]
             ):
                 self._allocation.count_trained_step()
-        return self._global_logs(model, outputs)
+        # Within a multi-step loop only the last step's logs are read: they are made global
+        # once, after the loop (`_compat.deferred_global_logs`).
+        return self._logs(model, outputs, reduce=not _compat.global_logs_deferred())
 
     def _step_total(self, data, mode):
         """Cross-replica context: the step's total amount (samples or sample weight).
@@ -399,8 +401,15 @@ class HeteroMixin:
         """Replica context: K * lambda_k, replica k's loss weight (Keras already divides by K)."""
         return tf.math.divide_no_nan(float(self.num_replicas_in_sync) * amount, total)
 
-    def _global_logs(self, model, outputs):
-        """Replaces per-replica metric values by the global running means."""
+    def global_logs(self, model, outputs):
+        """Cross-replica context: `outputs` of a Keras train/test step with each of `model`'s
+        metric results replaced by its true global running mean (all replicas' metric variables
+        summed in one batch all-reduce; the stock strategy averages the replicas' local means,
+        which is biased under uneven batches). Other entries and non-dict outputs are returned
+        as they are."""
+        return self._logs(model, outputs, reduce=True)
+
+    def _logs(self, model, outputs, reduce):
         if not isinstance(outputs, dict):
             return outputs
         local_values = [
@@ -410,8 +419,10 @@ class HeteroMixin:
             if isinstance(t, tf.Tensor)
         ]
         with tf.control_dependencies(local_values):
-            results = _compat.metric_results_in_one_reduce(self, model.metrics)
+            results = _compat.metric_results_in_one_reduce(self, model.metrics, reduce=reduce)
             if results is None:
+                if not reduce:
+                    return outputs  # Keras reduces them, as it does the stock strategy's
                 results = model.get_metrics_result()
         merged = dict(outputs)
         for name, value in results.items():

@@ -96,6 +96,41 @@ class SwitchAt(keras.callbacks.Callback):
             self.strategy.set_batch_sizes(self.sizes)  # collective, every worker
 
 
+_COLLECTIVES = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveBcastSendV2",
+                "CollectiveBcastRecvV2", "CollectiveAllToAllV2")
+
+
+def collectives_of(train_function):
+    """{"per_step": n, "per_execution": m} cross-worker collectives of the traced multi-step
+    train function (spe > 1): n inside its step loop, m outside it. None at spe 1."""
+    multi_step = getattr(train_function, "multi_step", None)
+    if multi_step is None:
+        return None
+    concrete = multi_step._list_all_concrete_functions()[-1]
+    graph = concrete.graph.as_graph_def()
+    library = {f.signature.name: f for f in graph.library.function}
+
+    def count(nodes):  # (outside any loop, inside a loop)
+        outside = inside = 0
+        for node in nodes:
+            outside += node.op in _COLLECTIVES
+            for key, attr in node.attr.items():
+                names = [attr.func.name] if attr.HasField("func") else [
+                    f.name for f in attr.list.func]
+                for name in names:
+                    if name in library:
+                        o, i = count(library[name].node_def)
+                        if node.op in ("While", "StatelessWhile") and key == "body":
+                            inside += o + i
+                        else:
+                            outside += o
+                            inside += i
+        return outside, inside
+
+    outside, inside = count(graph.node)
+    return {"per_step": inside, "per_execution": outside}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
@@ -221,6 +256,7 @@ def main():
                 "batch_sizes": list(strategy.batch_sizes),
                 "chief": strategy.is_chief,
                 "per_epoch": per_epoch.counts,
+                "collectives": collectives_of(model.train_function),
             },
             f,
         )
