@@ -307,6 +307,57 @@ def test_preemption_without_ps_ends_the_attempt_and_max_restarts_restarts(tmp_pa
     assert result.workers[0].stopped_by_launcher and result.chief is None and result.ps == ()
 
 
+# On SIGTERM, worker 1 "saves" (a file); every worker exits with RESTART_EXIT_CODE once it
+# sees that file, as tf_hetbatch workers all save at one agreed step. With "ignore", the
+# SIGTERM does nothing.
+WORKER_ON_NOTICE = """
+import json, os, signal, sys, time
+attempt = os.environ["TF_HETBATCH_RESTART"]
+i = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+saved = os.path.join(sys.argv[1], f"saved-a{attempt}")
+if sys.argv[2] == "ignore":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGTERM, lambda *_: open(saved, "w").close())
+open(os.path.join(sys.argv[1], f"a{attempt}w{i}-{os.getpid()}"), "w").close()
+end = time.monotonic() + (30 if attempt == "0" else 0.5)
+while time.monotonic() < end:
+    if os.path.exists(saved):
+        sys.exit(42)
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_notice_and_the_restart_exit_code_restart_the_cluster_without_a_failure(tmp_path):
+    script = write_script(tmp_path, WORKER_ON_NOTICE, "worker.py")
+    out = io.StringIO()
+    result = launch([script, str(tmp_path), "save"], 2, preempt="1.5:1/term", max_restarts=0,
+                    grace=10.0, stdout=out, stderr=out)
+    assert result.ok and result.attempts == 2, result.message
+    assert "1 restart after preemption notices" in result.message
+    assert any("notice to worker 1 (SIGTERM" in e for e in result.events), result.events
+    assert any("worker 1 exited" in e and "after its notice: exit code 42" in e
+               for e in result.events), result.events
+    pids = [int(p.rsplit("-", 1)[1]) for p in glob.glob(str(tmp_path / "a*w*-*"))]
+    assert len(pids) == 4 and live_groups(pids) == set()
+
+
+@pytest.mark.timeout(60)
+def test_a_notice_that_is_not_acted_on_ends_in_a_sigkill_after_the_grace(tmp_path):
+    script = write_script(tmp_path, WORKER_ON_NOTICE, "worker.py")
+    out = io.StringIO()
+    t0 = time.monotonic()
+    result = launch([script, str(tmp_path), "ignore"], 2, preempt=[Preemption(1.0, 1,
+                                                                               notice=True)],
+                    grace=1.0, stdout=out, stderr=out)
+    assert result.returncode == 128 + signal.SIGKILL and result.failed_worker == 1
+    assert result.workers[1].preempted and time.monotonic() - t0 >= 2.0
+    assert any("still ran 1 s after its notice: SIGKILL" in e for e in result.events)
+    pids = [int(p.rsplit("-", 1)[1]) for p in glob.glob(str(tmp_path / "a*w*-*"))]
+    assert len(pids) == 2 and live_groups(pids) == set()
+
+
 @pytest.mark.timeout(60)
 def test_timeout_in_ps_mode_stops_every_task(tmp_path):
     result, _, _, elapsed, recs = ps_run(tmp_path, 1, linger=30, timeout=2.0, grace=1.0)
@@ -327,6 +378,7 @@ def test_timeout_in_ps_mode_stops_every_task(tmp_path):
     (dict(preempt="-1:0"), ["--preempt", "at=-1.0", ">= 0"]),
     (dict(preempt="5:0+-1", num_ps=1), ["restart_after=-1.0", ">= 0"]),
     (dict(preempt=";"), ["--preempt is empty"]),
+    (dict(preempt="5:0/hup"), ["--preempt", "'0/hup'", "WORKER/term"]),
     (dict(server_command=["srv"]), ["server_command", "num_ps=0", "Fix"]),
     (dict(server_command="srv", num_ps=1), ["server_command", "list of strings"]),
 ])
@@ -346,6 +398,9 @@ def test_preemption_values_are_checked():
     with pytest.raises(ValueError, match="seconds >= 0"):
         Preemption(float("nan"), 0)
     assert str(Preemption(30, 1, 10)) == "30:1+10" and str(Preemption(5, 0)) == "5:0"
+    assert str(Preemption(5, 0, 2, notice=True)) == "5:0/term+2"
+    with pytest.raises(ValueError, match="notice"):
+        Preemption(1, 0, notice="yes")
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -25,6 +25,7 @@ _PUBLIC = {
     # Keras callbacks.
     "DynamicBatching": "tf_hetbatch.callback",
     "ResumableCheckpoint": "tf_hetbatch.recovery",
+    "RESTART_EXIT_CODE": "tf_hetbatch.preemption",
     # Asynchronous training.
     "AsyncTrainer": "tf_hetbatch.async_trainer",
     "ParameterServerLostError": "tf_hetbatch.async_trainer",
@@ -55,6 +56,7 @@ __all__ = [
     "split_here",
     "DynamicBatching",
     "ResumableCheckpoint",
+    "RESTART_EXIT_CODE",
     "AsyncTrainer",
     "ParameterServerLostError",
     "BalanceWriter",

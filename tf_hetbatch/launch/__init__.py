@@ -12,10 +12,12 @@ it, so the same script runs unchanged on a real cluster. Two kinds of cluster:
 
 Optionally each worker is held to a CPU cap (cgroup quota or SIGSTOP/SIGCONT duty cycle) to
 emulate slower machines, the caps can change on a schedule, and workers can be preempted
-(SIGKILL, and with parameter servers started again later) to emulate transient servers.
-With ``max_restarts`` the whole cluster is started again on new ports after a failure
-(scripts resume from their own checkpoints; ``TF_HETBATCH_RESTART`` tells them the attempt
-number).
+(SIGKILL, or a notice: SIGTERM, then SIGKILL after ``grace`` seconds; with parameter servers
+started again later) to emulate transient servers. With ``max_restarts`` the whole cluster
+is started again on new ports after a failure (scripts resume from their own checkpoints;
+``TF_HETBATCH_RESTART`` tells them the attempt number). A task that exits with
+``tf_hetbatch.RESTART_EXIT_CODE`` (42: it saved on a preemption notice) restarts the cluster
+without counting as a failure.
 
 Pure Python stdlib: importing this package does not import TensorFlow.
 
@@ -26,6 +28,9 @@ Example:
     assert result.ok, result.message
     # Asynchronous: chief + 1 ps + 3 workers; worker 2 is preempted at 30 s, back at 40 s.
     result = launch(["train_ps.py"], num_workers=3, num_ps=1, preempt="30:2+10")
+    # A notice to worker 1 at 20 s (SIGTERM; SIGKILL 30 s later if it still runs): the
+    # workers save and exit with RESTART_EXIT_CODE, and the cluster starts again.
+    result = launch(["train.py"], num_workers=2, preempt="20:1/term", grace=30)
 """
 
 import dataclasses
@@ -44,11 +49,12 @@ from tf_hetbatch.launch.schedule import (Cap, CapChange, Preemption, parse_cpus,
                                          validate_preemptions, validate_schedule)
 from tf_hetbatch.launch.supervisor import (PreemptionPlan, TaskSpec, WorkerExit, run_attempt,
                                            signal_name)
+from tf_hetbatch.preemption import RESTART_EXIT_CODE
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["launch", "LaunchResult", "WorkerExit", "CapChange", "Preemption", "parse_cpus",
-           "parse_schedule", "parse_preemptions"]
+           "parse_schedule", "parse_preemptions", "RESTART_EXIT_CODE"]
 
 TIMEOUT_EXIT_CODE = 124
 # With parameter servers, worker tasks get at least this many inter-op threads: with one,
@@ -66,7 +72,8 @@ class LaunchResult:
             chief), ``128 + signal`` if it died by a signal, 124 on timeout, ``128 + signal``
             of the launcher's own SIGINT/SIGTERM when interrupted.
         message: one line saying what happened, naming the task and why.
-        attempts: how many times the cluster was started (1 + restarts used).
+        attempts: how many times the cluster was started (1 + restarts after failures +
+            restarts after a task exited with ``RESTART_EXIT_CODE``).
         workers: how each worker of the last attempt ended (by worker index).
         failed_worker: index of the worker whose failure ended the last attempt, or None
             (always None with parameter servers, where worker failures are not fatal; see
@@ -149,7 +156,11 @@ def launch(script_argv: Sequence[str], num_workers: int,
             the clock again.
         max_restarts: how often the whole cluster is started again (new ports) after a
             fatal failure (any worker without parameter servers; the chief or a ps with
-            them). Default 0.
+            them). Default 0. An attempt that ends because a task exited with
+            ``RESTART_EXIT_CODE`` (a worker, or the chief, that saved on a preemption notice)
+            and none failed always starts the cluster again, and does not count here (as a
+            Kubernetes Job's podFailurePolicy ``Ignore`` rule); the other tasks get
+            ``supervisor.RESTART_EXIT_WAIT_S`` seconds to exit by themselves first.
         cap_method: "auto" (cgroup v1, v2, then duty cycle), "cgroup", "duty-cycle", "none".
         period_ms: cap period; default 10 ms for cgroups, 100 ms for the duty cycle.
         timeout: seconds for the whole launch, restarts included; then everything is
@@ -160,16 +171,18 @@ def launch(script_argv: Sequence[str], num_workers: int,
         env: extra environment variables for every task (applied last).
         python: interpreter for ``.py`` scripts and the default server; default
             ``sys.executable``.
-        grace: seconds between SIGTERM and SIGKILL when stopping tasks. Default 3.
+        grace: seconds between SIGTERM and SIGKILL when stopping tasks, and after a
+            preemption notice (``/term``). Default 3.
         stdout, stderr: where the ``[worker i] ``-prefixed lines go (``[chief] ``,
             ``[ps i] `` too with parameter servers); default sys.stdout / sys.stderr at
             call time.
         handle_signals: in the main thread, turn SIGINT/SIGTERM of this process into a
             clean stop of the cluster (restored afterwards). Default True.
         num_ps: number of parameter servers; 0 (default) for a worker-only cluster.
-        preempt: preemption events: text ``"30:1+10;60:0"`` (at 30 s SIGKILL worker 1's
+        preempt: preemption events: text ``"30:1+10;60:0/term"`` (at 30 s SIGKILL worker 1's
             process group and start it again 10 s later with the same TF_CONFIG; at 60 s
-            kill worker 0 for good) or a list of :class:`Preemption`. Times count from the
+            give worker 0 a notice: SIGTERM, SIGKILL ``grace`` seconds later if it still
+            runs) or a list of :class:`Preemption`. Times count from the
             first start of the cluster; each event happens once per launch. Without
             parameter servers a preemption is a worker failure (the attempt ends;
             ``max_restarts`` applies) and ``+D`` restarts are not allowed. A restarted
@@ -235,7 +248,7 @@ def launch(script_argv: Sequence[str], num_workers: int,
         with make_caps(cap_method, num_workers, period_ms, needed=wants_caps) as caps:
             if wants_caps:
                 logger.info("CPU caps: %s; caps %s", caps.description, caps_list)
-            attempt = 0
+            attempt = failures = 0
             while True:
                 reservation = cluster.PortReservation(num_tasks)
                 try:
@@ -249,14 +262,21 @@ def launch(script_argv: Sequence[str], num_workers: int,
                                           deadline, stop, events)
                 finally:
                     reservation.release()
-                if outcome.reason != "failed" or attempt >= max_restarts:
+                if outcome.reason == "restart":
+                    attempt += 1
+                    logger.info("A task saved on a preemption notice and exited with %d; "
+                                "restarting the cluster (not counted in max_restarts).",
+                                RESTART_EXIT_CODE)
+                    continue
+                if outcome.reason != "failed" or failures >= max_restarts:
                     break
                 attempt += 1
+                failures += 1
                 logger.warning("%s failed (%s); restarting the cluster (restart %d of %d).",
-                               outcome.failed.name, outcome.failed.describe(), attempt,
+                               outcome.failed.name, outcome.failed.describe(), failures,
                                max_restarts)
             return _result(outcome, attempt + 1, max_restarts, timeout, received,
-                           caps.method, events)
+                           caps.method, events, failures)
     finally:
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
@@ -302,9 +322,14 @@ def _tasks(ports: Sequence[int], num_ps: int, num_workers: int, attempt: int,
 
 
 def _result(outcome, attempts: int, max_restarts: int, timeout: Optional[float],
-            received, method: str, events: Sequence[str] = ()) -> LaunchResult:
+            received, method: str, events: Sequence[str] = (),
+            failures: Optional[int] = None) -> LaunchResult:
     """Builds the :class:`LaunchResult` of the last attempt."""
-    of = f"attempt {attempts} of {max_restarts + 1}"
+    failures = attempts - 1 if failures is None else failures
+    notices = attempts - 1 - failures
+    of = f"attempt {attempts} of {max_restarts + 1 + notices}"
+    if notices:
+        of += f"; {notices} restart{'s' if notices > 1 else ''} after preemption notices"
     failed = outcome.failed
     ps_mode = outcome.chief is not None
     everyone = "all tasks" if ps_mode else "all workers"

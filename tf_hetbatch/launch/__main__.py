@@ -7,6 +7,7 @@ Also installed as ``tf-hetbatch-launch``. Examples::
     tf-hetbatch-launch --workers 2 --cpus 0.8,0.8 --schedule "30:1=0.2;60:1=0.8" train.py
     tf-hetbatch-launch --workers 2 --max-restarts 3 --timeout 600 train.py
     tf-hetbatch-launch --workers 2 --preempt 60:1 --max-restarts 1 train.py
+    tf-hetbatch-launch --workers 2 --preempt 60:1/term --grace 30 train.py   # with notice
 
     # ParameterServerStrategy: the chief runs train_ps.py; 1 ps and 3 workers run
     # `python -m tf_hetbatch.server`. Worker 2 is preempted at 30 s and back at 45 s.
@@ -14,7 +15,9 @@ Also installed as ``tf-hetbatch-launch``. Examples::
 
 Exit status: 0 only if all workers exit 0 (with --ps: the chief exits 0); otherwise the
 failed task's code (128+signal if it died by a signal; a worker without --ps, the chief or a
-ps with --ps), 124 on --timeout, 130/143 when interrupted; 2 for bad arguments.
+ps with --ps), 124 on --timeout, 130/143 when interrupted; 2 for bad arguments. A task that
+exits with 42 (tf_hetbatch.RESTART_EXIT_CODE: it saved on a preemption notice) restarts the
+cluster, not counted in --max-restarts.
 """
 
 import argparse
@@ -49,11 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", metavar="T:W=C;...",
                    help="cap changes mid-run, seconds since start: worker=cap, e.g. "
                         "'30:1=0.1;60:1=0.3,0=none'")
-    p.add_argument("--preempt", metavar="T:W[+D];...",
+    p.add_argument("--preempt", metavar="T:W[/term][+D];...",
                    help="preempt workers: at T seconds after the first start SIGKILL worker W "
-                        "(its process group); with +D start it again D seconds later with "
-                        "the same TF_CONFIG and cap (needs --ps), e.g. '30:1+10;60:0'. "
-                        "Without --ps a preemption is a worker failure")
+                        "(its process group), or with /term give it a notice: SIGTERM, then "
+                        "SIGKILL after --grace seconds if it still runs; with +D start it "
+                        "again D seconds later with the same TF_CONFIG and cap (needs --ps), "
+                        "e.g. '30:1+10;60:0/term'. Without --ps a SIGKILL is a worker "
+                        "failure, and a notice makes tf_hetbatch workers save and exit 42, "
+                        "which restarts the cluster")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="restart the whole cluster up to N times after a failure (default 0)")
     p.add_argument("--cap-method", choices=CAP_METHODS, default="auto",
@@ -66,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="set TF_NUM_INTEROP_THREADS, TF_NUM_INTRAOP_THREADS, OMP_NUM_THREADS "
                         "(with --ps, worker tasks get at least 2 inter-op threads)")
     p.add_argument("--grace", type=float, default=3.0, metavar="SECONDS",
-                   help="seconds between SIGTERM and SIGKILL when stopping (default 3)")
+                   help="seconds between SIGTERM and SIGKILL when stopping, and after a "
+                        "/term preemption notice (default 3)")
     p.add_argument("-q", "--quiet", action="store_true", help="only warnings from the launcher")
     p.add_argument("script", help="training script (.py, or any executable)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")

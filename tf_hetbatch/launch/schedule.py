@@ -5,16 +5,18 @@ A cap is a number of CPUs (a float > 0, at most the number of CPUs of the machin
 ``None`` for "no cap". A schedule is a list of :class:`CapChange` values, each saying
 "``seconds`` after the cluster started, set worker ``worker``'s cap to ``cap``". A
 preemption plan is a list of :class:`Preemption` values, each saying "``at`` seconds after
-the cluster first started, SIGKILL worker ``worker`` (and start it again ``restart_after``
-seconds later)".
+the cluster first started, SIGKILL worker ``worker`` (or, as a notice, SIGTERM it and SIGKILL
+it only if it still runs after the grace period), and start it again ``restart_after`` seconds
+later".
 
 Readable text forms, used by the command line:
 
 * caps: ``"0.2,0.3,0.9"`` (one value per worker; ``none`` for an uncapped worker);
 * schedule: ``"30:1=0.1;60:1=0.3,0=none"``: entries separated by ``;``, each
   ``SECONDS:WORKER=CAP[,WORKER=CAP...]``;
-* preemptions: ``"30:1+10;60:0"``: entries separated by ``;``, each
-  ``SECONDS:WORKER[+DOWN_SECONDS][,WORKER[+DOWN_SECONDS]...]``.
+* preemptions: ``"30:1+10;60:0/term"``: entries separated by ``;``, each
+  ``SECONDS:WORKER[/term][+DOWN_SECONDS][,...]``; ``/term`` makes it a notice (SIGTERM, then
+  SIGKILL after the grace period), ``/kill`` (the default) a SIGKILL at once.
 
 Pure Python: no TensorFlow.
 """
@@ -27,7 +29,8 @@ from typing import List, Optional, Sequence, Union
 Cap = Optional[float]
 
 _SCHEDULE_FORM = "SECONDS:WORKER=CAP[,WORKER=CAP];... e.g. '30:1=0.1;60:1=0.3'"
-_PREEMPT_FORM = "SECONDS:WORKER[+DOWN_SECONDS][,...];... e.g. '30:1+10;60:0'"
+_PREEMPT_FORM = "SECONDS:WORKER[/term][+DOWN_SECONDS][,...];... e.g. '30:1+10;60:0/term'"
+_PREEMPT_SIGNALS = {"kill": False, "sigkill": False, "term": True, "sigterm": True}
 
 
 def available_cpus() -> int:
@@ -234,7 +237,7 @@ def _finite(value) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Preemption:
-    """At ``at`` seconds, SIGKILL worker ``worker``'s process group (a preempted server).
+    """At ``at`` seconds, preempt worker ``worker``'s process group (a preempted server).
 
     Args:
         at: seconds since the cluster first started. Each event happens once per launch:
@@ -243,11 +246,17 @@ class Preemption:
         restart_after: if set, start the worker again this many seconds later, with the
             same TF_CONFIG (same address) and CPU cap. Only with parameter servers
             (``num_ps >= 1``), where a returning worker rejoins the running job.
+        notice: False (default): SIGKILL at once. True: a preemption with notice, as cloud
+            providers and Kubernetes give: SIGTERM, then SIGKILL if the process group still
+            runs after the launcher's ``grace`` seconds. A tf_hetbatch worker saves on the
+            notice and exits with ``tf_hetbatch.RESTART_EXIT_CODE``, which restarts the
+            cluster without counting as a failure.
     """
 
     at: float
     worker: int
     restart_after: Optional[float] = None
+    notice: bool = False
 
     def __post_init__(self):
         if not (_finite(self.at) and self.at >= 0):
@@ -265,20 +274,24 @@ class Preemption:
         object.__setattr__(self, "at", float(self.at))
         if self.restart_after is not None:
             object.__setattr__(self, "restart_after", float(self.restart_after))
+        if not isinstance(self.notice, bool):
+            raise ValueError(f"`notice` must be True (SIGTERM, then SIGKILL after the grace "
+                             f"period) or False (SIGKILL). Received: notice={self.notice!r}")
 
     def __str__(self) -> str:
         back = "" if self.restart_after is None else f"+{self.restart_after:g}"
-        return f"{self.at:g}:{self.worker}{back}"
+        return f"{self.at:g}:{self.worker}{'/term' if self.notice else ''}{back}"
 
 
 def parse_preemptions(text: str) -> List[Preemption]:
-    """Parses ``"30:1+10;60:0"`` into a time-sorted list of :class:`Preemption`.
+    """Parses ``"30:1+10;60:0/term"`` into a time-sorted list of :class:`Preemption`.
 
-    ``30:1+10`` kills worker 1 at 30 s and starts it again at 40 s; ``60:0`` kills worker 0
-    at 60 s for good.
+    ``30:1+10`` kills worker 1 at 30 s and starts it again at 40 s; ``60:0/term`` gives
+    worker 0 a notice at 60 s (SIGTERM; SIGKILL after the grace period if it still runs).
+    ``/kill`` (the default) and ``/term`` are case-insensitive (``/SIGTERM`` too).
 
     Raises:
-        ValueError: the text does not have the form ``SECONDS:WORKER[+DOWN];...``.
+        ValueError: the text does not have the form ``SECONDS:WORKER[/term][+DOWN];...``.
     """
     events: List[Preemption] = []
     for entry in text.split(";"):
@@ -295,16 +308,21 @@ def parse_preemptions(text: str) -> List[Preemption]:
             raise ValueError(f"--preempt time {when.strip()!r} in entry {entry!r} is not a "
                              f"number of seconds. Expected {_PREEMPT_FORM}.") from None
         for item in items.split(","):
-            worker_text, plus, down_text = item.partition("+")
+            head, plus, down_text = item.partition("+")
+            worker_text, slash, how = head.partition("/")
+            notice = _PREEMPT_SIGNALS.get(how.strip().lower()) if slash else False
             try:
                 worker = int(worker_text)
                 down = float(down_text) if plus else None
+                if notice is None:
+                    raise ValueError
             except ValueError:
                 raise ValueError(f"--preempt item {item.strip()!r} in entry {entry!r} is not "
-                                 f"WORKER or WORKER+DOWN_SECONDS. Expected {_PREEMPT_FORM}."
+                                 f"WORKER, WORKER+DOWN_SECONDS, WORKER/term or "
+                                 f"WORKER/term+DOWN_SECONDS. Expected {_PREEMPT_FORM}."
                                  ) from None
             try:
-                events.append(Preemption(seconds, worker, down))
+                events.append(Preemption(seconds, worker, down, notice))
             except ValueError as e:
                 raise ValueError(f"--preempt entry {entry!r}: {e}") from None
     if not events:

@@ -3,7 +3,10 @@
 Without parameter servers every task is a worker and any worker failure ends the attempt.
 With parameter servers the chief's exit decides the attempt, a ps exit is fatal, and a
 worker exit is only logged (the ParameterServerStrategy coordinator moves its work to the
-other workers). Preemption events SIGKILL a worker and may start it again later.
+other workers). Preemption events SIGKILL a worker, or give it a notice (SIGTERM, SIGKILL
+after the grace period), and may start it again later. A task that exits with
+``RESTART_EXIT_CODE`` (it saved on a preemption notice) ends the attempt as "restart": once
+the other tasks exited too (or ``RESTART_EXIT_WAIT_S`` passed), the cluster starts again.
 
 Each task runs in its own session and process group, so that stopping it stops whatever
 it started too. Exits are observed with ``waitid(..., WNOWAIT)`` and the processes are
@@ -26,11 +29,15 @@ from typing import IO, List, Mapping, Optional, Sequence, Tuple
 from tf_hetbatch.launch import cluster
 from tf_hetbatch.launch.cpu_caps import CpuCaps
 from tf_hetbatch.launch.schedule import Cap, CapChange, Preemption
+from tf_hetbatch.preemption import RESTART_EXIT_CODE
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _KILL_WAIT_S = 5.0
+# After a task exited with RESTART_EXIT_CODE, how long the other tasks (which saved at the
+# same step, or are saving) get to exit by themselves before the attempt ends anyway.
+RESTART_EXIT_WAIT_S = 60.0
 
 
 def signal_name(signum: int) -> str:
@@ -82,6 +89,8 @@ class WorkerExit:
             how = f"killed by signal {signal_name(-self.returncode)}"
         else:
             how = f"exit code {self.returncode}"
+            if self.returncode == RESTART_EXIT_CODE:
+                how += " (saved on a preemption notice: restart me)"
         return (how + (" (preempted)" if self.preempted else "")
                 + (" (stopped by the launcher)" if self.stopped_by_launcher else ""))
 
@@ -111,7 +120,8 @@ class TaskSpec:
 
 @dataclasses.dataclass(frozen=True)
 class AttemptOutcome:
-    """Result of one attempt: ``reason`` is "ok", "failed", "timeout" or "interrupted".
+    """Result of one attempt: ``reason`` is "ok", "failed", "restart" (a task exited with
+    ``RESTART_EXIT_CODE`` and none failed), "timeout" or "interrupted".
 
     ``workers`` are the worker tasks by index; with parameter servers ``chief`` and ``ps``
     are set too and ``lost`` counts worker exits that were tolerated.
@@ -219,6 +229,8 @@ class _Task:
         self.procs: List[subprocess.Popen] = []
         self.code: Optional[int] = None  # Exit status of the current process, once seen.
         self.preempted = False  # The current process was (or is being) killed by a preemption.
+        self.kill_at: Optional[float] = None  # After a notice: when to SIGKILL it (monotonic).
+        self.noticed_at: Optional[float] = None  # When its notice (SIGTERM) was sent.
 
     @property
     def running(self) -> bool:
@@ -234,8 +246,9 @@ class _Task:
 class _Attempt:
     """Runs one attempt; see :func:`run_attempt`."""
 
-    def __init__(self, tasks, ps_mode, attempt, caps, stdout, stderr, plan):
+    def __init__(self, tasks, ps_mode, attempt, caps, stdout, stderr, plan, grace):
         self.tasks = [_Task(spec) for spec in tasks]
+        self.grace = grace
         self.workers = {t.spec.index: t for t in self.tasks if t.spec.role == "worker"}
         self.ps_mode = ps_mode
         self.attempt = attempt
@@ -247,6 +260,8 @@ class _Attempt:
         self.restarts: List[Tuple[float, int]] = []  # (launch-clock time, worker index)
         self.lost = 0
         self.events: List[str] = []
+        self.restart_since: Optional[float] = None  # When a task first exited "restart me".
+        self.notice: Optional[Tuple[float, str]] = None  # (when, to whom) of the first notice
 
     def note(self, text: str, level: int = logging.INFO) -> None:
         """Logs ``text`` with the launch-clock time and keeps it as an event."""
@@ -262,6 +277,7 @@ class _Attempt:
                                 stderr=subprocess.PIPE, start_new_session=True)
         task.procs.append(proc)
         task.code, task.preempted = None, False
+        task.kill_at = task.noticed_at = None
         if spec.cap_index is not None:
             self.caps.attach(spec.cap_index, proc.pid)
         for pipe, stream in ((proc.stdout, self.stdout), (proc.stderr, self.stderr)):
@@ -280,6 +296,12 @@ class _Attempt:
                 if code is not None:
                     task.code = code
                     ended.append(task)
+                    if self.notice is not None:
+                        since, which = self.notice[0], f"the notice to {self.notice[1]}"
+                        if task.noticed_at is not None:
+                            since, which = task.noticed_at, "its notice"
+                        self.note(f"{task.spec.name} exited {time.monotonic() - since:.2f} s "
+                                  f"after {which}: {task.exit().describe()}")
         return ended
 
     def preempt(self, now: float) -> None:
@@ -288,14 +310,20 @@ class _Attempt:
             task = self.workers[event.worker]
             back = ("" if event.restart_after is None
                     else f"; starting it again at t={event.at + event.restart_after:g} s")
-            if task.running:
-                if task.spec.cap_index is not None:
-                    self.caps.detach(task.spec.cap_index)
+            if task.running and event.notice:
                 task.preempted = True
+                task.noticed_at, task.kill_at = now, now + self.grace
+                if self.notice is None:
+                    self.notice = (now, task.spec.name)
                 try:
-                    os.killpg(task.procs[-1].pid, signal.SIGKILL)
+                    os.killpg(task.procs[-1].pid, signal.SIGTERM)
                 except (ProcessLookupError, PermissionError):
                     pass
+                self.note(f"notice to {task.spec.name} (SIGTERM to its process group, pid "
+                          f"{task.procs[-1].pid}; SIGKILL in {self.grace:g} s if it still "
+                          f"runs){back}")
+            elif task.running:
+                self._kill(task)
                 self.note(f"preempted {task.spec.name} (SIGKILL to its process group, "
                           f"pid {task.procs[-1].pid}){back}")
             else:
@@ -303,6 +331,26 @@ class _Attempt:
             if event.restart_after is not None:
                 self.restarts.append((event.at + event.restart_after, event.worker))
                 self.restarts.sort()
+
+    def _kill(self, task: _Task) -> None:
+        if task.spec.cap_index is not None:
+            self.caps.detach(task.spec.cap_index)
+        task.preempted = True
+        task.kill_at = None
+        try:
+            os.killpg(task.procs[-1].pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def enforce_grace(self, now: float) -> None:
+        """SIGKILLs the process groups whose notice's grace period ran out."""
+        for task in self.tasks:
+            if task.kill_at is not None and now >= task.kill_at:
+                task.kill_at = None
+                if task.procs and cluster.live_groups([task.procs[-1].pid]):
+                    self._kill(task)
+                    self.note(f"{task.spec.name} still ran {self.grace:g} s after its "
+                              f"notice: SIGKILL to its process group")
 
     def restart(self, now: float) -> None:
         """Starts preempted workers whose time to come back has come (once they are gone)."""
@@ -328,6 +376,13 @@ class _Attempt:
         failed = None
         for task in ended:
             how = task.exit().describe()
+            if task.code == RESTART_EXIT_CODE and task.spec.role != "ps":
+                logger.info("%s exited: %s", task.spec.name, how)
+                if self.restart_since is None:
+                    self.restart_since = time.monotonic()
+                if self.ps_mode and task.spec.role == "chief":
+                    return "restart", None
+                continue
             if not self.ps_mode:
                 logger.info("%s exited: %s", task.spec.name, how)
                 if task.code != 0 and failed is None:
@@ -349,7 +404,12 @@ class _Attempt:
         if failed is not None:
             return "failed", failed
         if not self.ps_mode and all(t.code is not None for t in self.tasks):
-            return "ok", None
+            return ("ok" if self.restart_since is None else "restart"), None
+        if self.restart_since is not None and \
+                time.monotonic() - self.restart_since > RESTART_EXIT_WAIT_S:
+            logger.warning("Tasks still running %.0f s after a task exited to be restarted; "
+                           "stopping them.", RESTART_EXIT_WAIT_S)
+            return "restart", None
         return None, None
 
 
@@ -374,7 +434,7 @@ def run_attempt(tasks: Sequence[TaskSpec], reservation: cluster.PortReservation,
 
     Other arguments are assumed valid (see :func:`tf_hetbatch.launch.launch`).
     """
-    run = _Attempt(tasks, ps_mode, attempt, caps, stdout, stderr, plan)
+    run = _Attempt(tasks, ps_mode, attempt, caps, stdout, stderr, plan, grace)
     outcome = "ok"
     failed: Optional[_Task] = None
     stopped: set = set()
@@ -406,6 +466,7 @@ def run_attempt(tasks: Sequence[TaskSpec], reservation: cluster.PortReservation,
                 logger.info("t=%.1f s: worker %d cap -> %s", elapsed, change.worker,
                             "none" if change.cap is None else f"{change.cap:g} CPUs")
             run.preempt(now)
+            run.enforce_grace(now)
             run.restart(now)
             stop.wait(_POLL_S)
     finally:
