@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tf_hetbatch import run_checkpoint
 from tf_hetbatch.launch import launch
 
 HERE = os.path.join(os.path.dirname(__file__), "workers")
@@ -117,6 +118,27 @@ def test_a_lost_parameter_server_stops_with_a_checkpoint_to_resume_from(tmp_path
     # and trained epochs 2 and 3 only.
     assert len(data["history"]["val_accuracy"]) == 2
     assert data["update_count"] == 80
-    meta = json.loads((ckpt / "hetbatch_async.json").read_text())
-    assert meta["epoch"] == 3 and meta["step"] == 120
+    _, position = run_checkpoint.latest(str(ckpt))
+    assert position["epoch"] == 3 and position["step"] == 120
     assert data["history"]["val_accuracy"][-1] > 0.7
+
+
+def test_a_sigterm_to_the_chief_saves_and_the_relaunch_redoes_no_update(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    out = tmp_path / "t.json"
+    # The chief gets a SIGTERM after scheduling its 25th update (mid-epoch 1): it waits for
+    # the scheduled updates, saves and exits with RESTART_EXIT_CODE; the launcher restarts
+    # the cluster (max_restarts=0: not a failure) and the chief resumes at the saved update.
+    data, result, text = run_async(TRAIN, out, "--epochs", "2", "--steps", "20",
+                                   "--checkpoint-dir", str(ckpt), "--term-at-update", "25")
+    assert result.attempts == 2
+    first = json.loads((tmp_path / "t.json.attempt0.json").read_text())
+    saved = first["preempted_at"]
+    assert saved is not None and 25 <= saved <= 26
+    # Every update scheduled before the notice was applied and saved; the relaunch went on
+    # from exactly there: no update done twice, none lost.
+    assert first["updates"] == saved
+    assert data["restored"]["step"] == saved
+    assert data["update_count"] == 40 - saved
+    _, position = run_checkpoint.latest(str(ckpt))
+    assert (position["step"], position["epoch"], position["batch"]) == (40, 2, 0)

@@ -25,12 +25,17 @@ import numpy as np
 import tensorflow as tf
 
 from tf_hetbatch import _compat
+from tf_hetbatch import run_checkpoint as _run
 from tf_hetbatch.parameter_server import HeteroParameterServerStrategy, Staleness
+from tf_hetbatch.preemption import RESTART_EXIT_CODE, PreemptionNotice
 
 logger = logging.getLogger(__name__)
 
 _LOG_READ_INTERVAL_S = 0.25
-_META_FILE = "hetbatch_async.json"
+_TRAINER = "async"
+# The position file of checkpoints of the earlier AsyncTrainer (before the position went into
+# the TensorFlow checkpoint itself): read to resume such a directory, never written.
+_LEGACY_META_FILE = "hetbatch_async.json"
 
 
 class ParameterServerLostError(RuntimeError):
@@ -52,13 +57,22 @@ class AsyncTrainer:
             updates on the parameter servers. Validation uses copies of them on the chief.
         strategy: default `model.distribute_strategy`.
         checkpoint_dir: if set, the model, optimizer, split and `DynamicBatching` state are
-            saved there (at each epoch end and every `checkpoint_interval` updates), and
-            `fit` resumes from the latest checkpoint found there.
+            saved there (at each epoch end, every `checkpoint_interval` updates and on a
+            preemption notice), and `fit` resumes from the newest checkpoint found there. The
+            checkpoints are TensorFlow checkpoints, the same as `ResumableCheckpoint`'s
+            (`tf_hetbatch.run_checkpoint`), on any `tf.io.gfile` path. If the worker count
+            changed, the split is even and `DynamicBatching` starts afresh.
         checkpoint_interval: updates between mid-epoch checkpoints (None: epoch ends only).
             Each waits for the scheduled steps to finish.
         max_outstanding: scheduled steps allowed to be queued or running at once; default
             2 per worker (each worker has one running and one waiting, and the measurements
             `DynamicBatching` reads stay current).
+
+    Preemption notices: while `fit` runs, a SIGTERM to the chief (or `request_preemption()`)
+    makes it wait for the scheduled steps, save (with `checkpoint_dir`) and exit with
+    `tf_hetbatch.RESTART_EXIT_CODE` (42), which the launcher restarts the cluster on; the
+    relaunch redoes no update. The notice is acted on after the step being scheduled. A lost
+    worker is tolerated as before; a SIGKILLed chief loses the updates since the last save.
 
     Raises:
         ValueError: the model is not under a `HeteroParameterServerStrategy`, or a bad argument.
@@ -119,9 +133,25 @@ class AsyncTrainer:
         self._eval_step = None
         self._element_spec = None
         self._global_step = 0
-        self._ckpt = tf.train.Checkpoint(model=model, optimizer=self.optimizer)
-        self._manager = None
+        self._store = (None if self.checkpoint_dir is None else
+                       _run.RunCheckpoint(self.checkpoint_dir, model, self.optimizer, keep=2))
+        self._notice: Optional[PreemptionNotice] = None
+        self._pending_request = False
         self.staleness: Optional[Staleness] = None
+        # The position `fit` resumed from ({} if none), and the update saved at on a
+        # preemption notice (None if none).
+        self.restored: Optional[Dict] = None
+        self.preempted_at: Optional[int] = None
+
+    def request_preemption(self) -> None:
+        """Asks for what a SIGTERM does: save after the scheduled steps, then exit (42).
+
+        Call it from any thread while (or before) `fit` runs.
+        """
+        if self._notice is not None:
+            self._notice.request()
+        else:
+            self._pending_request = True
 
     # ------------------------------------------------------------------ fit ---------------
     def fit(self, dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset],
@@ -184,13 +214,20 @@ class AsyncTrainer:
         callback_list = keras.callbacks.CallbackList(
             callbacks, add_history=True, add_progbar=verbose != 0, model=self.model,
             verbose=verbose, epochs=epochs, steps=steps_per_epoch)
-        resume_epoch, resume_batch = self._restore(callback_list, steps_per_epoch)
+        resume_epoch, resume_batch = self._restore(callback_list, steps_per_epoch,
+                                                   batch_size)
         initial_epoch = max(initial_epoch, resume_epoch)
         self.model.stop_training = False
+        self.preempted_at = None
         fit_start = self._staleness_total()
         logs = None
-        callback_list.on_train_begin()
+        self._notice = PreemptionNotice(None)
+        self._notice.start()
+        if self._pending_request:
+            self._pending_request = False
+            self._notice.request()
         try:
+            callback_list.on_train_begin()
             for epoch in range(initial_epoch, epochs):
                 first = resume_batch if epoch == resume_epoch else 0
                 logs = self._run_epoch(epoch, first, steps_per_epoch, step_fn, iterator,
@@ -199,6 +236,9 @@ class AsyncTrainer:
                     break
         except tf.errors.UnavailableError as e:
             raise self._lost(e) from e
+        finally:
+            self._notice.close()
+            self._notice = None
         self.staleness = self._staleness_total() - fit_start
         callback_list.on_train_end(logs)
         return next(cb for cb in callback_list.callbacks
@@ -221,6 +261,8 @@ class AsyncTrainer:
             if time.monotonic() - logs_read > _LOG_READ_INTERVAL_S:
                 logs, logs_read = self._train_logs(), time.monotonic()
             callback_list.on_train_batch_end(batch, logs)
+            if self._notice.due(self._global_step):
+                self._save_on_notice(callback_list, epoch, batch + 1)
             if (self.checkpoint_interval and self._global_step % self.checkpoint_interval == 0
                     and batch + 1 < steps):
                 self.coordinator.join()
@@ -363,51 +405,107 @@ class AsyncTrainer:
         return train_step
 
     # ------------------------------------------------------------------ checkpoints -------
-    def _restore(self, callback_list, steps_per_epoch):
-        """Restores the latest checkpoint of `checkpoint_dir`; returns (epoch, batch) to go on."""
-        if self.checkpoint_dir is None:
+    def _restore(self, callback_list, steps_per_epoch, batch_size):
+        """Restores the newest checkpoint of `checkpoint_dir`; returns (epoch, batch) to go on."""
+        self.restored = {}
+        if self._store is None:
             return 0, 0
-        self._manager = tf.train.CheckpointManager(self._ckpt, self.checkpoint_dir,
-                                                   max_to_keep=2)
-        meta_path = os.path.join(self.checkpoint_dir, _META_FILE)
-        if not os.path.exists(meta_path):
+        found = self._find_checkpoint()
+        if found is None:
             return 0, 0
-        with open(meta_path) as f:
-            meta = json.load(f)
-        self._ckpt.restore(meta["checkpoint"]).assert_existing_objects_matched()
-        self._global_step = int(meta["step"])
-        if meta.get("batch_sizes") and len(meta["batch_sizes"]) == self.strategy.num_workers \
-                and sum(meta["batch_sizes"]) == self.strategy.global_batch_size:
-            self.strategy.set_batch_sizes(meta["batch_sizes"])
-        states = meta.get("dynamic_batching", [])
-        for callback, state in zip(_dynamic_batching(callback_list), states):
-            callback.set_state(state)
+        path, position = found
+        if position.get("trainer") != _TRAINER:
+            raise ValueError(
+                f"The checkpoint {path} was written by {position.get('trainer')!r} training "
+                "(ResumableCheckpoint in Keras fit), not by AsyncTrainer: its epochs and steps "
+                "mean something else. Fix: use another checkpoint_dir for this run.")
+        if position.get("legacy"):
+            self._restore_legacy(path)
+        else:
+            self._store.restore(path)
+        self._global_step = int(position["step"])
+        states = position.get("dynamic_batching") or []
+        saved_parts = int(position.get("num_parts") or len(position.get("batch_sizes") or [])
+                          or self.strategy.num_workers)
+        sizes, keep_state = _run.resume_split(
+            position.get("batch_sizes") or None, saved_parts, self.strategy.num_workers,
+            batch_size * self.strategy.num_workers, path, log=True)
+        if sizes is not None:
+            self.strategy.set_batch_sizes(sizes)
+        if keep_state:
+            for callback, state in zip(_dynamic_batching(callback_list), states):
+                callback.set_state(state)
         logger.info("Resumed from %s: update %d (epoch %d, batch %d), split %s.",
-                    meta["checkpoint"], self._global_step, meta["epoch"], meta["batch"],
+                    path, self._global_step, position["epoch"], position["batch"],
                     self.strategy.batch_sizes)
-        batch = int(meta["batch"])
+        self.restored = position
+        batch = int(position["batch"])
         if batch >= steps_per_epoch:
-            return int(meta["epoch"]) + 1, 0
-        return int(meta["epoch"]), batch
+            return int(position["epoch"]) + 1, 0
+        return int(position["epoch"]), batch
+
+    def _find_checkpoint(self):
+        """(path, position) of the newest checkpoint, also of the earlier format; or None."""
+        legacy_meta = os.path.join(self.checkpoint_dir, _LEGACY_META_FILE)
+        try:
+            return _run.latest(self.checkpoint_dir)
+        except ValueError:
+            if not tf.io.gfile.exists(legacy_meta):
+                raise
+        # The earlier format: model and optimizer in the TensorFlow checkpoint, the position
+        # in a JSON file beside it.
+        with tf.io.gfile.GFile(legacy_meta) as f:
+            meta = json.load(f)
+        position = {"trainer": _TRAINER, "step": int(meta["step"]),
+                    "epoch": int(meta["epoch"]), "batch": int(meta["batch"]),
+                    "batch_sizes": meta.get("batch_sizes") or None,
+                    "num_parts": len(meta.get("batch_sizes") or []) or None,
+                    "dynamic_batching": meta.get("dynamic_batching", []), "legacy": True}
+        logger.info("Resuming from %s, a checkpoint of the earlier AsyncTrainer format (%s "
+                    "beside it); new checkpoints hold their position themselves.",
+                    meta["checkpoint"], _LEGACY_META_FILE)
+        return meta["checkpoint"], position
+
+    def _restore_legacy(self, path):
+        checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
+        try:
+            checkpoint.restore(path).assert_existing_objects_matched()
+        except (AssertionError, ValueError, tf.errors.OpError) as error:
+            raise ValueError(
+                f"The checkpoint {path} does not match this model and optimizer ({error}). "
+                "Fix: build the model and optimizer as when it was written, or use another "
+                "checkpoint_dir.") from error
 
     def _save(self, callback_list, epoch, batch):
-        if self._manager is None:
-            return
-        path = self._manager.save(checkpoint_number=self._global_step)
-        meta = {"checkpoint": path, "step": self._global_step, "epoch": epoch, "batch": batch,
-                "batch_sizes": list(self.strategy.batch_sizes or []),
-                "dynamic_batching": [cb.get_state() for cb in _dynamic_batching(callback_list)]}
-        tmp = os.path.join(self.checkpoint_dir, _META_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(meta, f)
-        os.replace(tmp, os.path.join(self.checkpoint_dir, _META_FILE))
+        if self._store is None:
+            return None
+        position = {"trainer": _TRAINER, "step": self._global_step, "epoch": epoch,
+                    "batch": batch, "batch_sizes": list(self.strategy.batch_sizes or []),
+                    "num_parts": self.strategy.num_workers,
+                    "dynamic_batching": [cb.get_state()
+                                         for cb in _dynamic_batching(callback_list)]}
+        path = self._store.save(position)
         logger.debug("Checkpoint %s at update %d.", path, self._global_step)
+        return path
+
+    def _save_on_notice(self, callback_list, epoch, batch):
+        self.coordinator.join()  # every scheduled update is applied, and saved
+        path = self._save(callback_list, epoch, batch)
+        self.preempted_at = self._global_step
+        seconds = self._notice.seconds_since_notice
+        logger.info("Preemption notice: %s at update %d%s; exiting with code %d (restart me).",
+                    "saved" if path else "nothing saved (no checkpoint_dir)", self._global_step,
+                    "" if seconds is None else f", {seconds:.2f} s after the notice",
+                    RESTART_EXIT_CODE)
+        self._notice.close()
+        raise SystemExit(RESTART_EXIT_CODE)
 
     def _lost(self, error) -> ParameterServerLostError:
         where = "no checkpoint_dir was set, so nothing was saved (pass checkpoint_dir=...)"
-        if self._manager is not None and self._manager.latest_checkpoint:
-            where = (f"the latest checkpoint is {self._manager.latest_checkpoint}: run the "
-                     "same command again to resume from it")
+        latest = self._store.latest_path if self._store is not None else None
+        if latest:
+            where = (f"the latest checkpoint is {latest}: run the same command again to "
+                     "resume from it")
         message = (f"Lost contact with a parameter server after {self._global_step} scheduled "
                    f"updates ({type(error).__name__}: {str(error).splitlines()[0][:200]}). "
                    f"Training stopped; {where}.")

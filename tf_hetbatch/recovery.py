@@ -1,56 +1,41 @@
-"""ResumableCheckpoint: multi-worker-safe checkpoints and mid-epoch resume for Keras `fit`.
+"""ResumableCheckpoint: multi-worker-safe checkpoints, mid-epoch resume and preemption notices
+for Keras `fit`.
 
 Stock `keras.callbacks.BackupAndRestore` is not multi-worker aware (every worker writes the same
-files) and resumes at epoch granularity. This callback writes from the chief only, atomically,
-and resumes at the global step of the checkpoint: the interrupted epoch's already-trained global
-batches are dropped by the strategy's input pipeline (`strategy.resume_at`), so only the work
-since the last checkpoint is redone.
-
-Layout of `directory` (shared by all workers: every worker reads it when resuming):
-
-    checkpoint.json                      the pointer: names the newest complete checkpoint;
-                                         written last, atomically (temp file + os.replace)
-    step-000000120.epoch-0003.batch-00020/
-        variables.npz                    model.weights then model.optimizer.variables
-        meta.json                        step, epoch, batches done in it, the split, ...
-    .tmp-*                               a write in progress (or interrupted): ignored
-
-A checkpoint directory is written under a temporary name and renamed when complete; the pointer
-is updated after that, so a reader that goes through the pointer never sees a partial
-checkpoint, and a directory the pointer does not name is never loaded.
+files) and resumes at epoch granularity. This callback writes from the chief only, as ordinary
+TensorFlow checkpoints (`tf_hetbatch.run_checkpoint`: `tf.train.Checkpoint` +
+`tf.train.CheckpointManager`, through `tf.io.gfile`), and resumes at the global step of the
+checkpoint: the interrupted epoch's already-trained global batches are dropped by the
+strategy's input pipeline (`strategy.resume_at`), so only the work since the last checkpoint is
+redone, and nothing after a preemption notice (`tf_hetbatch.preemption`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import numbers
 import os
-import shutil
-import tempfile
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import keras
 import numpy as np
 
 from tf_hetbatch import _compat
+from tf_hetbatch import legacy_checkpoint as _legacy
+from tf_hetbatch import run_checkpoint as _run
+from tf_hetbatch.preemption import RESTART_EXIT_CODE, PreemptionNotice
 from tf_hetbatch.strategy import StepCounter, hetero_strategy_of
-from tf_hetbatch import split as _split
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ResumableCheckpoint"]
 
-POINTER = "checkpoint.json"
-META = "meta.json"
-VARIABLES = "variables.npz"
-_FORMAT = "tf_hetbatch.ResumableCheckpoint/1"
-_PREFIX = "step-"
-_TMP_PREFIX = ".tmp-"
+_TRAINER = "fit"
+_ON_NOTICE = ("exit", "stop")
 
 
 class ResumableCheckpoint(keras.callbacks.Callback):
-    """Checkpoints a multi-worker (or one-host) tf_hetbatch run and resumes it mid-epoch.
+    """Checkpoints a multi-worker (or one-host) tf_hetbatch run; resumes it mid-epoch.
 
     Use it with a model created under a tf_hetbatch strategy. Call `restore(model)` on every
     worker before `fit` and pass what it returns as `fit(initial_epoch=...)`:
@@ -60,47 +45,64 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         model.fit(ds, epochs=10, initial_epoch=initial_epoch, callbacks=[ckpt])
 
     Saving (chief only; `strategy.is_chief`): every `save_every_steps` global steps
-    (`strategy.steps_trained`) and at the end of each epoch, the values of `model.weights` and
-    `model.optimizer.variables` (metric variables are not saved) go to `variables.npz`; the
-    global step, the epoch, the batches done in it, the split last set (`strategy.batch_sizes`),
-    the replica count and `dynamic_batching.get_state()` go to `meta.json`. The decision to save
-    depends only on the step count, so every worker takes it at the same step; saving needs no
-    collective (the chief reads its local copies of the mirrored variables). The newest `keep`
-    checkpoints are kept.
+    (`strategy.steps_trained`), at the end of each epoch, and on a preemption notice. A
+    checkpoint is one TensorFlow checkpoint `<directory>/ckpt-<step>` holding the model, its
+    optimizer and the run's position (global step, epoch, batches done in it, the split
+    `strategy.batch_sizes`, the replica count, `dynamic_batching.get_state()`), written
+    atomically by `tf.train.CheckpointManager`, which keeps the newest `keep`. Any
+    `tf.io.gfile` path works: a shared file system, `gs://`, `s3://` (tensorflow-io),
+    `ram://`. The decision to save depends only on the step count, so every worker takes it at
+    the same step; saving needs no collective beyond one check that all workers trained the
+    same batches. The weights load without tf_hetbatch:
+    `tf.train.Checkpoint(model=model).restore(path).expect_partial()`.
 
-    Resuming (`restore`, on every worker, before `fit`): every worker loads the checkpoint
-    named by the pointer file and checks with one collective that all workers loaded the same
-    one; restores weights and optimizer variables (building the optimizer first); calls
-    `strategy.resume_at(step, skip_batches=batches done in the epoch)` so the first epoch of the
-    next `fit` skips the global batches already trained; and restores the split. With the same
-    replica count as when saved, the saved split (`strategy.set_batch_sizes`) and the
-    `dynamic_batching` state (`set_state`); with another count (e.g. relaunched on fewer
-    workers after a preemption), the global batch is split evenly over the new replicas and
-    `dynamic_batching` starts afresh.
+    Preemption notices: while `fit` runs, a SIGTERM to any worker (or `request_preemption()`
+    on one of them) makes every worker save at one agreed step and exit with
+    `tf_hetbatch.RESTART_EXIT_CODE` (42), which the launcher (`tf_hetbatch.launch`) restarts
+    on; the relaunch redoes no step. The save comes at the next step boundary on one host, and
+    one step after the next boundary across workers (`tf_hetbatch.preemption`); at an epoch's
+    last step the checkpoint is that epoch's end, without its validation. A SIGKILL still
+    loses the steps since the last save (at most `save_every_steps - 1`).
+
+    Resuming (`restore`, on every worker, before `fit`): every worker loads the newest
+    checkpoint and checks with one collective that all workers found the same one; restores
+    weights and optimizer variables (building the optimizer first); calls
+    `strategy.resume_at(step, skip_batches=batches done in the epoch)` so the first epoch of
+    the next `fit` skips the global batches already trained; and restores the split. With the
+    same replica count as when saved, the saved split and the `dynamic_batching` state; with
+    another count (e.g. relaunched on fewer workers), the global batch split evenly over the
+    new replicas, `dynamic_batching` afresh, and one INFO line. A directory of the earlier
+    tf_hetbatch format (`checkpoint.json`, `variables.npz`) resumes too; the new checkpoints
+    are written beside its files, which stay untouched.
 
     Requirements, all checked where possible:
-    - `directory` is on storage all workers see (a shared file system or bucket mount).
+    - `directory` is on storage all workers see (a shared file system or bucket).
     - The data gives the same global batches in the same order in every run: no shuffle, or a
-      seeded one (`shuffle(..., seed=s)`), as for the stock DATA auto-shard policy. Only then
-      does skipping the trained batches resume the exact sequence.
-    - The data's number of batches is known (`dataset.cardinality()`, as for
-      `tf.data.Dataset.from_tensor_slices(...).batch(B)`), so Keras keeps the epoch length
-      after a shortened first epoch; otherwise add
+      seeded one (`shuffle(..., seed=s)`). Only then does skipping the trained batches resume
+      the exact sequence.
+    - The data's number of batches is known (`dataset.cardinality()`), so Keras keeps the
+      epoch length after a shortened first epoch; otherwise add
       `dataset.apply(tf.data.experimental.assert_cardinality(n))`. Keras warns "Your input ran
       out of data" at the end of the resumed (shortened) epoch; that is expected.
     - `fit(initial_epoch=restore(model))`: a fit that starts at another epoch is an error.
     - A `fit` whose directory already holds a checkpoint must be preceded by `restore`
       (use a new directory to start afresh): an error otherwise, so nothing is overwritten.
+    - A SIGTERM is caught only if `fit` runs in the main thread; `request_preemption()` works
+      from any thread.
 
     Not restored: metric state (the epoch's metrics after a resume cover the resumed steps
-    only) and other callbacks' state. Resuming redoes at most `save_every_steps - 1` steps.
+    only) and other callbacks' state.
 
     Args:
-        directory: str or path-like, where checkpoints go; created if missing.
+        directory: str or path-like, where checkpoints go (any `tf.io.gfile` path).
         save_every_steps: int >= 1, save every this many global steps. Default 50.
         keep: int >= 1, how many of the newest checkpoints to keep. Default 2.
         dynamic_batching: optional `tf_hetbatch.DynamicBatching` of the same `fit`, whose
             state is saved and restored with the checkpoint.
+        on_notice: "exit" (default): after the save on a preemption notice, raise
+            `SystemExit(RESTART_EXIT_CODE)` out of `fit`. "stop": end `fit` normally instead
+            (`model.stop_training`); `ckpt.preempted_at` says the step, and the script exits
+            (with `RESTART_EXIT_CODE` to be restarted) when it is done.
 
     Raises:
         ValueError, TypeError: invalid arguments (the message names the value and the fix).
@@ -125,13 +127,14 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         save_every_steps: int = 50,
         keep: int = 2,
         dynamic_batching: Any = None,
+        on_notice: str = "exit",
     ) -> None:
         super().__init__()
         if isinstance(directory, bool) or not isinstance(directory, (str, os.PathLike)) \
                 or not os.fspath(directory):
             raise ValueError(
                 "`directory` must be a non-empty path on storage every worker sees, e.g. "
-                f"'/shared/run1/ckpt'. Received: directory={directory!r}")
+                f"'/shared/run1/ckpt' or 'gs://bucket/run1'. Received: directory={directory!r}")
         self.directory = os.fspath(directory)
         self.save_every_steps = _check_int(
             "save_every_steps", save_every_steps, "e.g. save_every_steps=50")
@@ -144,13 +147,24 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                     "`dynamic_batching` must be the tf_hetbatch.DynamicBatching callback of "
                     f"the same fit, or None. Received: {type(dynamic_batching).__name__}. Fix: "
                     "pass the DynamicBatching instance you give to fit(callbacks=[...]).")
+        if on_notice not in _ON_NOTICE:
+            raise ValueError(f"`on_notice` must be one of {_ON_NOTICE}. Received: "
+                             f"on_notice={on_notice!r}. Fix: on_notice='exit' (the default).")
         self.dynamic_batching = dynamic_batching
-        # Set by restore(): the meta of the checkpoint resumed from, or {} (restored, none
-        # found); None until restore() ran.
+        self.on_notice = on_notice
+        # Set by restore(): the position resumed from, or {} (restored, none found); None
+        # until restore() ran.
         self.restored: Optional[Dict[str, Any]] = None
+        # The step saved at on a preemption notice, or None.
+        self.preempted_at: Optional[int] = None
         self._resume_epoch: Optional[int] = None
         self._resume_batch = 0
         self._wrote = False
+        self._store: Optional[_run.RunCheckpoint] = None
+        self._store_model = None
+        self._notice: Optional[PreemptionNotice] = None
+        self._pending_request = False
+        self._fits = 0
         # Per-fit state.
         self._strategy = None
         self._step = 0
@@ -163,12 +177,31 @@ class ResumableCheckpoint(keras.callbacks.Callback):
 
     # ------------------------------------------------------------------ public ------------
     def latest(self) -> Optional[Dict[str, Any]]:
-        """The meta dict of the newest complete checkpoint (the pointer's), or None.
+        """The position saved in the newest complete checkpoint, or None.
+
+        Returns:
+            A dict with "step", "epoch", "batch" (batches of that epoch done), "batch_sizes",
+            "num_parts" (replicas), "dynamic_batching" and "path" (the checkpoint, a
+            `tf.train.Checkpoint` path; for the earlier format, its directory).
 
         Raises:
-            ValueError: the pointer names a checkpoint that is missing or unreadable.
+            ValueError: the newest checkpoint is missing, unreadable or foreign.
         """
-        return _read_latest(self.directory)[1]
+        found = self._find()
+        if found is None:
+            return None
+        return dict(found[2], path=found[1])
+
+    def request_preemption(self) -> None:
+        """Asks for what a SIGTERM does: every worker saves at a step soon and exits.
+
+        Call it on any one worker, from any thread, while (or before) `fit` runs. The save
+        and exit happen as described in the class docs (`on_notice`).
+        """
+        if self._notice is not None:
+            self._notice.request()
+        else:
+            self._pending_request = True
 
     def restore(self, model: keras.Model) -> int:
         """Restores the newest checkpoint into `model` and its strategy; call before `fit`.
@@ -186,46 +219,49 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         Raises:
             TypeError: the model is not under a tf_hetbatch strategy.
             ValueError: the model is not built; the checkpoint does not match the model; the
-                workers found different checkpoints (`directory` not shared); a broken pointer.
+                workers found different checkpoints (`directory` not shared); a broken or
+                foreign checkpoint.
         """
         strategy = hetero_strategy_of(model, "ResumableCheckpoint")
-        name, meta = _read_latest(self.directory)
-        _check_same_on_all_workers(strategy, -1 if meta is None else int(meta["step"]),
+        found = self._find()
+        _check_same_on_all_workers(strategy, -1 if found is None else int(found[2]["step"]),
                                    self.directory)
         self._wrote = False
-        if meta is None:
+        if found is None:
             self.restored = {}
             self._resume_epoch = None
             self._resume_batch = 0
             return 0
+        kind, where, position = found
         if not model.built:
             raise ValueError(
                 f"`model` must be built before restore() can load its weights. Received an "
                 f"unbuilt {type(model).__name__}. Fix: start the model with keras.Input(...), "
                 "or call model.build(input_shape) before restore().")
-        with np.load(os.path.join(self.directory, name, VARIABLES)) as data:
-            weights = [data[f"w{i}"] for i in range(meta["num_weights"])]
-            opt_values = [data[f"o{i}"] for i in range(meta["num_optimizer_variables"])]
-        _assign(_model_variables(model), weights, "model.weights", name)
-        if opt_values:
-            optimizer = model.optimizer
-            if optimizer is None:
-                raise ValueError(
-                    f"The checkpoint {name} holds optimizer variables but the model has no "
-                    "optimizer. Fix: compile the model as when the checkpoint was written, "
-                    "before restore().")
-            if not optimizer.built:
-                with strategy.scope():
-                    optimizer.build(model.trainable_variables)
-            _assign(_optimizer_variables(model), opt_values, "model.optimizer.variables", name)
-        step, epoch, batch = int(meta["step"]), int(meta["epoch"]), int(meta["batch"])
+        optimizer = model.optimizer
+        if optimizer is not None and not optimizer.built:
+            with strategy.scope():
+                optimizer.build(model.trainable_variables)
+        if kind == "tf":
+            self._store_for(model).restore(where)
+        else:
+            _restore_legacy(model, self.directory, where, position)
+            if strategy.is_chief:
+                logger.info(
+                    "Resuming from %s, a checkpoint of the earlier tf_hetbatch format. New "
+                    "checkpoints are TensorFlow checkpoints (ckpt-<step>) in the same "
+                    "directory; the earlier files (%s, step-*/) are left as they are: delete "
+                    "them once a new checkpoint is written.", os.path.join(self.directory, where),
+                    _legacy.POINTER)
+        step, epoch, batch = int(position["step"]), int(position["epoch"]), \
+            int(position["batch"])
         strategy.resume_at(step, skip_batches=batch)
-        self._restore_split(strategy, meta, name)
-        self.restored = meta
+        self._restore_split(strategy, position, where)
+        self.restored = position
         self._resume_epoch, self._resume_batch = epoch, batch
         if strategy.is_chief:
             logger.info("Resumed from %s: step %d, epoch %d after %d of its batches.",
-                        os.path.join(self.directory, name), step, epoch, batch)
+                        where, step, epoch, batch)
         return epoch
 
     # ------------------------------------------------------------------ Keras hooks -------
@@ -233,8 +269,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         strategy = hetero_strategy_of(self.model, "ResumableCheckpoint")
         self._strategy = strategy
         self._steps = StepCounter(strategy)
-        if self.restored is None and not self._wrote and os.path.exists(
-                os.path.join(self.directory, POINTER)):
+        if self.restored is None and not self._wrote and self._find() is not None:
             raise ValueError(
                 f"`directory` {self.directory!r} already holds a checkpoint, but restore() was "
                 "not called before fit, so training would start afresh and overwrite it. Fix: "
@@ -246,16 +281,28 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                 "would shorten every later epoch to the resumed one. Received data of unknown "
                 "cardinality. Fix: dataset = dataset.apply("
                 "tf.data.experimental.assert_cardinality(num_batches)).")
+        self._store_for(self.model)
         self._step = strategy.steps_trained
         self._first_epoch = True
         self._shortened_epoch = False
         self._iterations_at_begin = _iterations(self.model)
+        self.preempted_at = None
+        self._start_notice(strategy)
+
+    def on_train_end(self, logs=None):
+        if self._notice is not None:
+            if self._notice.requested and self.preempted_at is None and \
+                    self._strategy.is_chief:
+                logger.info("Training ended before the preemption notice's step; the "
+                            "checkpoint of its end is complete.")
+            self._close_notice()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._batches = 0
         if self._first_epoch and self._resume_epoch is not None:
             if epoch != self._resume_epoch:
+                self._close_notice()
                 raise ValueError(
                     f"fit started at epoch {epoch} but the checkpoint resumes epoch "
                     f"{self._resume_epoch}. Fix: pass initial_epoch=ckpt.restore(model) to "
@@ -269,6 +316,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         steps = self._steps()  # > 1 with steps_per_execution
         previous, self._step = self._step, self._step + steps
         self._batches += steps
+        if self._notice is not None and self._notice.due(self._step):
+            self._save_on_notice()
+            return
         # Every `save_every_steps` steps, at the first execution boundary at or after them.
         due = self._step // self.save_every_steps > previous // self.save_every_steps
         if due and not self._epoch_complete():
@@ -285,30 +335,76 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             self._save(epoch, self._batches)
 
     # ------------------------------------------------------------------ internals ---------
+    def _find(self):
+        """("tf", path, position) or ("legacy", name, position) of the newest, or None."""
+        new = _run.latest(self.directory)
+        old = _legacy.find(self.directory)
+        if new is not None:
+            position = _check_trainer(new[1], new[0])
+            if old is None or int(position["step"]) >= int(old[1]["step"]):
+                return "tf", new[0], position
+        if old is None:
+            return None
+        name, meta = old
+        position = {"trainer": _TRAINER, "step": int(meta["step"]), "epoch": int(meta["epoch"]),
+                    "batch": int(meta["batch"]), "batch_sizes": meta.get("batch_sizes"),
+                    "num_parts": int(meta["num_replicas"]),
+                    "dynamic_batching": meta.get("dynamic_batching"),
+                    "legacy": dict(meta)}
+        return "legacy", name, position
+
+    def _store_for(self, model) -> _run.RunCheckpoint:
+        if self._store is None or self._store_model is not model:
+            self._store = _run.RunCheckpoint(self.directory, model, model.optimizer, self.keep)
+            self._store_model = model
+        return self._store
+
+    def _start_notice(self, strategy):
+        self._close_notice()
+        self._fits += 1
+        self._notice = PreemptionNotice(
+            getattr(strategy, "cluster_resolver", None),
+            key=f"tf_hetbatch/preemption/{self.directory}/{self._fits}")
+        self._notice.start()
+        if self._pending_request:
+            self._pending_request = False
+            self._notice.request()
+
+    def _close_notice(self):
+        if self._notice is not None:
+            self._notice.close()
+            self._notice = None
+
+    def _save_on_notice(self):
+        if self._epoch_complete():  # the epoch's last step: the checkpoint of its end
+            self._save(self._epoch + 1, 0)
+        else:
+            self._save(self._epoch, self._batches)
+        self.preempted_at = int(self._step)
+        seconds = self._notice.seconds_since_notice
+        if self._strategy.is_chief:
+            logger.info("Saved step %d on the preemption notice%s; %s.", self._step,
+                        "" if seconds is None else f" ({seconds:.2f} s after it here)",
+                        f"exiting with code {RESTART_EXIT_CODE} (restart me)"
+                        if self.on_notice == "exit" else "stopping training")
+        if self.on_notice == "exit":
+            self._close_notice()
+            raise SystemExit(RESTART_EXIT_CODE)
+        self.model.stop_training = True
+
     def _epoch_complete(self) -> bool:
         steps = self.params.get("steps") if self.params else None
         return steps is None or self._batches >= steps
 
-    def _restore_split(self, strategy, meta, name):
-        saved = meta.get("batch_sizes")
-        num = strategy.num_replicas_in_sync
-        state = meta.get("dynamic_batching")
-        if int(meta["num_replicas"]) == num:
-            if saved is not None:
-                strategy.set_batch_sizes(saved)  # a collective in multi-worker training
-            if self.dynamic_batching is not None and state is not None:
-                self.dynamic_batching.set_state(state)
-            return
-        if saved is None:
-            return  # the even split of the data's global batch, as for a fresh start
-        sizes = _split.split_evenly(sum(saved), num)
-        strategy.set_batch_sizes(sizes)  # a collective in multi-worker training
-        if strategy.is_chief:
-            logger.warning(
-                "Checkpoint %s was written with %d replicas (split %s); resuming with %d: the "
-                "global batch %d is split evenly as %s%s.", name, meta["num_replicas"],
-                saved, num, sum(saved), list(sizes),
-                " and DynamicBatching starts afresh" if self.dynamic_batching else "")
+    def _restore_split(self, strategy, position, where):
+        sizes, keep_state = _run.resume_split(
+            position.get("batch_sizes"), int(position["num_parts"]),
+            strategy.num_replicas_in_sync, None, where, log=strategy.is_chief)
+        if sizes is not None:
+            strategy.set_batch_sizes(sizes)  # a collective in multi-worker training
+        state = position.get("dynamic_batching")
+        if keep_state and self.dynamic_batching is not None and state is not None:
+            self.dynamic_batching.set_state(state)
 
     def _save(self, epoch: int, batch: int) -> None:
         strategy = self._strategy
@@ -316,180 +412,43 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if not strategy.is_chief:
             return
         sizes = strategy.batch_sizes
-        opt_values = [np.asarray(v.numpy()) for v in _optimizer_variables(self.model)]
-        meta = {
-            "format": _FORMAT,
+        position = {
+            "trainer": _TRAINER,
             "step": int(self._step),
             "epoch": int(epoch),
             "batch": int(batch),
             "batch_sizes": None if sizes is None else [int(s) for s in sizes],
-            "num_replicas": int(strategy.num_replicas_in_sync),
-            "num_weights": 0,
-            "num_optimizer_variables": len(opt_values),
+            "num_parts": int(strategy.num_replicas_in_sync),
             "dynamic_batching": None if self.dynamic_batching is None
             else self.dynamic_batching.get_state(),
         }
-        weights = [np.asarray(v.numpy()) for v in _model_variables(self.model)]
-        meta["num_weights"] = len(weights)
-        arrays = {f"w{i}": w for i, w in enumerate(weights)}
-        arrays.update({f"o{i}": o for i, o in enumerate(opt_values)})
-        name = write_checkpoint(self.directory, meta, arrays)
+        path = self._store_for(self.model).save(position)
         self._wrote = True
-        prune(self.directory, self.keep, protect=name)
-        logger.debug("Checkpoint %s written.", name)
+        logger.debug("Checkpoint %s written.", path)
 
 
-# ---------------------------------------------------------------------- files ------------
-def checkpoint_name(step: int, epoch: int, batch: int) -> str:
-    """The directory name of a checkpoint: sorts by step, then epoch (zero padded)."""
-    return f"{_PREFIX}{step:09d}.epoch-{epoch:04d}.batch-{batch:05d}"
-
-
-def write_checkpoint(directory: str, meta: Dict[str, Any], arrays: Dict[str, np.ndarray]) -> str:
-    """Writes one checkpoint atomically and points the pointer file at it; returns its name.
-
-    The files go into a temporary directory, which is renamed to its final name once complete
-    (an older directory of that name, from a run that was interrupted before its pointer
-    update, is replaced); then the pointer is replaced atomically.
-    """
-    os.makedirs(directory, exist_ok=True)
-    name = checkpoint_name(meta["step"], meta["epoch"], meta["batch"])
-    tmp = tempfile.mkdtemp(prefix=_TMP_PREFIX + name + ".", dir=directory)
-    try:
-        with open(os.path.join(tmp, VARIABLES), "wb") as f:
-            np.savez(f, **arrays)
-            _flush(f)
-        with open(os.path.join(tmp, META), "w") as f:
-            json.dump(meta, f, indent=1)
-            _flush(f)
-        _fsync_dir(tmp)
-        final = os.path.join(directory, name)
-        if os.path.exists(final):  # left by an interrupted run; never the pointer's target
-            trash = tempfile.mkdtemp(prefix=_TMP_PREFIX + "old.", dir=directory)
-            os.rename(final, os.path.join(trash, name))
-            shutil.rmtree(trash, ignore_errors=True)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _write_pointer(directory, {"format": _FORMAT, "latest": name, "step": meta["step"]})
-    return name
-
-
-def _write_pointer(directory: str, pointer: Dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX + "pointer.", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(pointer, f)
-            _flush(f)
-        os.replace(tmp, os.path.join(directory, POINTER))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    _fsync_dir(directory)
-
-
-def list_checkpoints(directory: str) -> List[str]:
-    """Names of the complete checkpoint directories (renamed into place), oldest first."""
-    if not os.path.isdir(directory):
-        return []
-    return sorted(
-        n for n in os.listdir(directory)
-        if n.startswith(_PREFIX) and os.path.isfile(os.path.join(directory, n, META))
-    )
-
-
-def prune(directory: str, keep: int, protect: Optional[str] = None) -> None:
-    """Deletes all but the newest `keep` checkpoints (never `protect`) and stale temp dirs."""
-    names = [n for n in list_checkpoints(directory) if n != protect]
-    budget = keep - (1 if protect else 0)
-    doomed = names[: max(len(names) - budget, 0)]
-    for n in doomed:
-        shutil.rmtree(os.path.join(directory, n), ignore_errors=True)
-    for n in os.listdir(directory):  # writes of this process finished; others are leftovers
-        if n.startswith(_TMP_PREFIX):
-            path = os.path.join(directory, n)
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                try:
-                    os.remove(path)
-                except OSError:
-                    pass
-
-
-def _read_latest(directory: str):
-    """(name, meta) of the pointer's checkpoint, or (None, None) if there is no pointer."""
-    path = os.path.join(directory, POINTER)
-    try:
-        with open(path) as f:
-            pointer = json.load(f)
-    except FileNotFoundError:
-        return None, None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"The checkpoint pointer {path} is unreadable ({e}). Fix: delete it "
-                         "to use the newest complete checkpoint directory's files by hand, or "
-                         "start in a new directory.") from e
-    name = pointer.get("latest") if isinstance(pointer, dict) else None
-    meta_path = os.path.join(directory, str(name), META)
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"The checkpoint pointer {path} names {name!r}, whose {META} is "
-                         f"missing or unreadable ({e}). Fix: restore that checkpoint "
-                         "directory, or start in a new directory.") from e
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"{meta_path} is not a {_FORMAT} checkpoint. Received: "
-                         f"format={meta.get('format')!r}.")
-    return name, meta
-
-
-def _flush(f) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-# ---------------------------------------------------------------------- variables --------
-def _model_variables(model) -> list:
-    return [v for v in model.weights if getattr(v, "synchronization", None) != "on_read"]
-
-
-def _optimizer_variables(model) -> list:
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or not optimizer.built:
-        return []
-    return [v for v in optimizer.variables if getattr(v, "synchronization", None) != "on_read"]
-
-
-def _assign(variables, values, what, name) -> None:
-    if len(variables) != len(values):
-        raise ValueError(
-            f"The checkpoint {name} holds {len(values)} values for {what} but the model has "
-            f"{len(variables)}. Fix: build and compile the model as when the checkpoint was "
-            "written.")
-    for v, value in zip(variables, values):
-        if tuple(v.shape) != tuple(value.shape):
+# ---------------------------------------------------------------------- helpers ----------
+def _restore_legacy(model, directory, name, position) -> None:
+    weights, opt_values = _legacy.load(directory, name, position["legacy"])
+    _legacy.assign(_legacy.model_variables(model), weights, "model.weights", name)
+    if opt_values:
+        if model.optimizer is None:
             raise ValueError(
-                f"The checkpoint {name} holds shape {tuple(value.shape)} for {what} variable "
-                f"{v.path!r} of shape {tuple(v.shape)}. Fix: build the model as when the "
-                "checkpoint was written.")
-    for v, value in zip(variables, values):
-        v.assign(value)  # cross-replica context: every local copy; no collective
+                f"The checkpoint {name} holds optimizer variables but the model has no "
+                "optimizer. Fix: compile the model as when the checkpoint was written, "
+                "before restore().")
+        _legacy.assign(_legacy.optimizer_variables(model), opt_values,
+                       "model.optimizer.variables", name)
+
+
+def _check_trainer(position, path):
+    trainer = position.get("trainer")
+    if trainer != _TRAINER:
+        raise ValueError(
+            f"The checkpoint {path} was written by {trainer!r} training (AsyncTrainer), not "
+            "by ResumableCheckpoint in Keras fit: its epochs and steps mean something else. "
+            "Fix: use a new directory for this run.")
+    return position
 
 
 def _iterations(model) -> Optional[int]:
@@ -499,7 +458,6 @@ def _iterations(model) -> Optional[int]:
     return int(optimizer.iterations.numpy())
 
 
-# ---------------------------------------------------------------------- helpers ----------
 def _check_int(name: str, value, example: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}. "

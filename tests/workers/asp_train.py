@@ -2,7 +2,9 @@
 
 Run as the chief of a TF_CONFIG cluster with "ps" and "worker" tasks (e.g. by
 `python -m tf_hetbatch.launch --ps 1 --workers 2 asp_train.py --out result.json`).
-Writes a JSON result: per-epoch logs, per-worker samples/updates, staleness histogram, split.
+Writes a JSON result: per-epoch logs, per-worker samples/updates, staleness histogram, split;
+and per launch attempt <out>.attempt<a>.json (updates applied, the update saved at on a
+preemption notice), also when fit ends by the SystemExit of a notice.
 """
 
 import argparse
@@ -68,6 +70,9 @@ def main(argv=None):
     p.add_argument("--kill-after-epoch", default=None, metavar="TYPE:INDEX",
                    help="SIGKILL this task (e.g. worker:1, ps:0) at the end of the first "
                         "epoch, on the first launch attempt only (fault-tolerance tests)")
+    p.add_argument("--term-at-update", type=int, default=None, metavar="N",
+                   help="the chief sends itself a SIGTERM (a preemption notice) after its N-th "
+                        "scheduled update, on the first launch attempt only")
     p.add_argument("--keras-callbacks", default=None, metavar="DIR",
                    help="also keras.callbacks.TensorBoard(DIR), EarlyStopping, CSVLogger")
     args = p.parse_args(argv)
@@ -111,6 +116,18 @@ def main(argv=None):
                 if epoch == 0:
                     kill_task(args.kill_after_epoch)
         callbacks.append(Kill())
+    attempt = os.environ.get("TF_HETBATCH_RESTART", "0")
+    if args.term_at_update and attempt == "0":
+        class Term(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.count = 0
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.count += 1
+                if self.count == args.term_at_update:
+                    os.kill(os.getpid(), signal.SIGTERM)
+        callbacks.append(Term())
     if args.keras_callbacks:
         callbacks += [keras.callbacks.TensorBoard(args.keras_callbacks),
                       keras.callbacks.EarlyStopping(monitor="val_loss", patience=5),
@@ -118,10 +135,15 @@ def main(argv=None):
     if args.sizes:
         strategy._set_total(args.batch_size * strategy.num_workers)
         strategy.set_batch_sizes([int(v) for v in args.sizes.split(",")])
-    history = trainer.fit(dataset_fn, batch_size=args.batch_size, epochs=args.epochs,
-                          steps_per_epoch=args.steps,
-                          validation_data=tf.data.Dataset.from_tensor_slices((xv, yv)).batch(256),
-                          callbacks=callbacks, verbose=2)
+    try:
+        history = trainer.fit(dataset_fn, batch_size=args.batch_size, epochs=args.epochs,
+                              steps_per_epoch=args.steps,
+                              validation_data=tf.data.Dataset.from_tensor_slices((xv, yv))
+                              .batch(256), callbacks=callbacks, verbose=2)
+    finally:
+        with open(f"{args.out}.attempt{attempt}.json", "w") as f:
+            json.dump({"updates": strategy.updates, "preempted_at": trainer.preempted_at,
+                       "restored": trainer.restored}, f)
     times = strategy.read_replica_times()
     result = {
         "history": history.history,
@@ -132,6 +154,7 @@ def main(argv=None):
         "batch_sizes": list(strategy.batch_sizes),
         "iterations": int(trainer.optimizer.iterations.numpy()),
         "update_count": strategy.updates,
+        "restored": trainer.restored,
         "metric_vs_trained_samples": counts.rows,
         "evaluate": trainer.evaluate(tf.data.Dataset.from_tensor_slices((xv, yv)).batch(256),
                                      return_dict=True, verbose=0),

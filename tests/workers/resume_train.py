@@ -3,9 +3,13 @@
 Trains the dense model of mw_train.py (SGD with momentum, so optimizer state matters) with
 HeteroMultiWorkerMirroredStrategy and a ResumableCheckpoint on deterministic, unshuffled data.
 On launch attempt `--die-attempt` (TF_HETBATCH_RESTART), worker `--die-worker` SIGKILLs itself
-after global step `--die-step`; with `--stop-step` every worker stops training cleanly
-(model.stop_training) after that step. Writes <out>/worker<i>.npz (weights, ids trained in this
-process) and <out>/worker<i>.json (what it resumed from, its first trained step, ...).
+after global step `--die-step`; on attempt `--term-attempt`, worker `--term-worker` sends
+itself a SIGTERM (a preemption notice) after step `--term-step`; with `--stop-step` every
+worker stops training cleanly (model.stop_training) after that step. Writes
+<out>/worker<i>.npz (weights, ids trained in this process) and <out>/worker<i>.json (what it
+resumed from, its first trained step, ...) at the end, and for every attempt
+<out>/worker<i>.attempt<a>.json (its first step at the start; at its end, also by SystemExit,
+its last step, the step saved on a notice, the ids it trained).
 """
 
 import argparse
@@ -32,23 +36,29 @@ def build(sink=None, steps_per_execution=1):
 
 
 class Events(keras.callbacks.Callback):
-    """Records the first trained step; dies or stops at the configured step."""
+    """Records the first trained step; dies, gets a notice or stops at the configured step."""
 
-    def __init__(self, strategy, die_step, stop_step):
+    def __init__(self, strategy, die_step, stop_step, term_step=-1, record=None):
         super().__init__()
         self.strategy, self.die_step, self.stop_step = strategy, die_step, stop_step
+        self.term_step, self.record = term_step, record
         self.first_step = None
         self.steps = 0
         self.step = 0
 
     def on_train_begin(self, logs=None):
         self.step = self.first_step = self.strategy.steps_trained
+        if self.record:
+            with open(self.record, "w") as f:
+                json.dump({"first_step": self.first_step}, f)
 
     def on_train_batch_end(self, batch, logs=None):
         self.step += 1
         self.steps += 1
         if self.step == self.die_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.step == self.term_step:
+            os.kill(os.getpid(), signal.SIGTERM)
         if self.step == self.stop_step:
             self.model.stop_training = True
 
@@ -66,6 +76,9 @@ def main():
     parser.add_argument("--die-attempt", type=int, default=0)
     parser.add_argument("--die-step", type=int, default=-1)
     parser.add_argument("--stop-step", type=int, default=-1)
+    parser.add_argument("--term-worker", type=int, default=-1)
+    parser.add_argument("--term-attempt", type=int, default=0)
+    parser.add_argument("--term-step", type=int, default=-1)
     parser.add_argument("--dynamic", action="store_true", help="with DynamicBatching")
     args = parser.parse_args()
 
@@ -84,16 +97,25 @@ def main():
     restored_sizes = list(strategy.batch_sizes) if strategy.batch_sizes else None
     restored_dynamic = list(dynamic.batch_sizes) if dynamic and dynamic.batch_sizes else None
     die = args.die_step if (index == args.die_worker and attempt == args.die_attempt) else -1
-    events = Events(strategy, die, args.stop_step)
+    term = args.term_step if (index == args.term_worker and attempt == args.term_attempt) \
+        else -1
+    os.makedirs(args.out, exist_ok=True)
+    record = os.path.join(args.out, f"worker{index}.attempt{attempt}")
+    events = Events(strategy, die, args.stop_step, term, record + ".json")
     x, y = mw_train.data(args.n)
     # A per-sample map: each worker runs it on its own samples only (tf_hetbatch.input_work),
     # and a resumed epoch skips its trained batches before any of that work.
     ds = tf.data.Dataset.from_tensor_slices((x * 2.0, y)).map(
         lambda a, b: (a * 0.5, b), num_parallel_calls=2).batch(args.batch)
     callbacks = ([dynamic] if dynamic else []) + [ckpt, events]
-    model.fit(ds, epochs=args.epochs, initial_epoch=initial_epoch, verbose=0,
-              callbacks=callbacks)
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        model.fit(ds, epochs=args.epochs, initial_epoch=initial_epoch, verbose=0,
+                  callbacks=callbacks)
+    finally:  # also on the SystemExit(RESTART_EXIT_CODE) of a preemption notice
+        np.savez(record + ".npz", ids=np.array(sink.items, dtype=np.int64))
+        with open(record + ".json", "w") as f:
+            json.dump({"first_step": events.first_step, "last_step": events.step,
+                       "preempted_at": ckpt.preempted_at, "restored": ckpt.restored}, f)
     np.savez(os.path.join(args.out, f"worker{index}.npz"), *model.get_weights(),
              ids=np.array(sink.items, dtype=np.int64))
     with open(os.path.join(args.out, f"worker{index}.json"), "w") as f:
