@@ -28,7 +28,8 @@ def test_bench_controllers_tiny_mode_prints_table_and_writes_json(tmp_path):
     assert "| scenario | K | policy |" in proc.stdout
     assert "| ModelBasedController | 256 |" in proc.stdout
     data = json.loads(out.read_text())
-    assert data["tiny"] and data["seed"] == 1
+    assert data["tiny"] and data["seeds"] == [1]
     policies = {row["policy"] for row in data["rows"]}
-    assert policies == {"uniform", "static", "proportional", "model-based"}
-    assert all(row["steady_over_ideal"] >= 1.0 - 1e-9 for row in data["rows"])
+    assert policies == {"uniform", "static", "proportional", "model-based", "rule only"}
+    assert all(row["steady_over_best"] >= 1.0 - 1e-9 for row in data["rows"])
+    assert set(data["homogeneous"]) == {"3", "16"}

@@ -1,10 +1,13 @@
-"""Tests for tf_hetbatch.sim: the simulator's bookkeeping and its ideal references."""
+"""Tests for tf_hetbatch.sim: the simulator's bookkeeping, effects and references."""
+
+import itertools
 
 import numpy as np
 import pytest
 
 from tf_hetbatch.controllers import ModelBasedController, ProportionalController
-from tf_hetbatch.sim import ClusterModel, Slowdown, ideal_split, simulate
+from tf_hetbatch.sim import (SCENARIOS, ClusterModel, Slowdown, best_split, ideal_split,
+                             scenario, simulate)
 
 
 def _random_cluster(rng, k, **kwargs):
@@ -26,7 +29,8 @@ def test_sizes_sum_to_global_batch_and_no_split_beats_the_ideal(controller):
     result = simulate(controller, cluster, steps=300, global_batch=600, seed=1)
     assert np.all(result.sizes.sum(axis=1) == 600)
     assert np.all(result.sizes[150:, 7] == 0) and np.all(result.sizes[:150, 7] > 0)
-    assert np.all(result.model_step_times >= result.ideal_step_times - 1e-12)
+    assert np.all(result.model_step_times >= result.best_step_times - 1e-12)
+    assert np.all(result.best_step_times >= result.ideal_step_times - 1e-12)
     assert np.all(result.flow_step_times <= result.ideal_step_times + 1e-12)
 
 
@@ -55,13 +59,61 @@ def test_same_seed_gives_the_same_run_and_another_seed_differs():
     assert not np.array_equal(a.step_times, c.step_times)
 
 
-def test_controller_sees_window_means_and_changes_apply_from_the_next_step():
+@pytest.mark.parametrize("lag", [0, 3])
+def test_changes_apply_after_the_lag_and_the_straddled_window_is_not_fed(lag):
     cluster = ClusterModel([0.0, 0.0], [0.001, 0.003])
-    result = simulate(ProportionalController(), cluster, 30, adjust_every=10,
-                      initial_sizes=[50, 50])
-    assert result.adjust_steps == [10]
-    assert result.sizes[9].tolist() == [50, 50] and result.sizes[10].tolist() == [75, 25]
-    assert len(result.reasons) == 3
+    result = simulate(ProportionalController(), cluster, 60, adjust_every=10,
+                      initial_sizes=[50, 50], switch_lag=lag)
+    # The first window gives no noise estimate; the second moves the split.
+    assert result.adjust_steps[0] == 20 + lag
+    assert result.sizes[19 + lag].tolist() == [50, 50]
+    assert result.sizes[20 + lag].tolist() == [75, 25]
+    # The window after the decision straddles the switch when the lag is not 0.
+    assert result.fed.tolist()[:3] == [True, True, lag == 0]
+    assert len(result.reasons) == int(result.fed.sum())
+
+
+def test_a_quota_is_spent_in_periods():
+    # 0.2 of a core in 10 ms periods: 2 ms of CPU per period, then a wait to the period's end.
+    cluster = ClusterModel([0.0], [0.001], quota=0.2, quota_period=0.01)
+    wall = cluster.wall(np.array([0.001, 0.002, 0.0021, 0.004, 0.0055]))
+    np.testing.assert_allclose(wall, [0.001, 0.002, 0.0101, 0.012, 0.0215])
+    free = ClusterModel([0.0], [0.001])
+    np.testing.assert_allclose(free.wall(np.array([0.0055])), [0.0055])
+
+
+def test_the_collective_counts_in_the_step_time_not_in_the_compute_times():
+    cluster = ClusterModel([0.01, 0.01], [0.001, 0.001], collective=0.002, quota=[1.0, 0.5],
+                           quota_period=0.01, allreduce=0.001)
+    compute, step = cluster.times(np.array([10.0, 4.0]), np.ones(2))
+    np.testing.assert_allclose(compute, [0.02, 0.024])  # 14 ms at half a core: 24 ms
+    assert step == pytest.approx(0.031 + 0.001)  # 16 ms at half a core: 31 ms; + network
+
+
+@pytest.mark.parametrize("k, total", [(2, 40), (3, 30)])
+def test_best_split_is_the_brute_force_optimum(k, total):
+    rng = np.random.default_rng(k)
+    for _ in range(5):
+        cluster = ClusterModel(rng.uniform(0, 0.01, k), rng.uniform(1e-4, 1e-3, k),
+                               collective=rng.uniform(0, 0.003, k), allreduce=0.001,
+                               quota=rng.choice([0.2, 0.5, 1.0], k), quota_period=0.01)
+        sizes, seconds = best_split(cluster, total)
+        assert sizes.sum() == total and np.all(sizes >= 1)
+        brute = min(cluster.times(np.array(s, float), np.ones(k))[1]
+                    for s in itertools.product(range(1, total + 1), repeat=k)
+                    if sum(s) == total)
+        assert seconds == pytest.approx(brute)
+        assert cluster.times(sizes.astype(float), np.ones(k))[1] == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_every_scenario_builds_and_runs(name):
+    sc = scenario(name, 5, 90, seed=1)
+    assert sc.cluster.num_replicas == 5 and sc.phases[0] == 0
+    result = simulate(ModelBasedController(), sc.cluster, 90, global_batch=320, seed=1)
+    assert np.all(result.sizes.sum(axis=1) == 320)
+    with pytest.raises(ValueError, match="name='cpu'"):
+        scenario("cpu", 5)
 
 
 def test_thousand_replicas_for_a_thousand_steps_completes():
@@ -82,6 +134,10 @@ def test_thousand_replicas_for_a_thousand_steps_completes():
     (dict(alpha=[0.0], beta=[1.0], noise=1.5), "noise"),
     (dict(alpha=[0.0], beta=[1.0], slowdowns=(Slowdown(3, 0),)), "replica"),
     (dict(alpha=[0.0], beta=[1.0], losses={0: 5}), "alive"),
+    (dict(alpha=[0.0], beta=[1.0], quota=0.0), "quota"),
+    (dict(alpha=[0.0, 0.0], beta=[1.0, 1.0], quota=[1.0, 1.5]), "quota"),
+    (dict(alpha=[0.0], beta=[1.0], collective=-1.0), "collective"),
+    (dict(alpha=[0.0], beta=[1.0], quota_period=0), "quota_period"),
 ])
 def test_bad_cluster_models_are_rejected(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
