@@ -110,15 +110,16 @@ def test_a_single_ten_times_outlier_moves_nothing():
         assert np.all(result.sizes[300:] == result.sizes[299]), k
 
 
-def test_lags_longer_than_a_window_keep_every_invariant():
+def test_switch_lags_up_to_beyond_a_window_keep_every_invariant():
     sc = scenario("interference", 8, 400, 0)
-    for lag in (0, 12, 25):
+    for lag in (0, 8, 12, 25):  # 8: a multi-worker switch (SWITCH_MARGIN) in 10-step windows
         bounded = simulate(ModelBasedController(max_sizes=120), sc.cluster, 400, seed=0,
                            global_batch=512, switch_lag=lag)
         assert np.all(bounded.sizes.sum(axis=1) == 512) and bounded.sizes.max() <= 120
-        result = simulate(ModelBasedController(), sc.cluster, 400, seed=0, global_batch=512,
-                          switch_lag=lag)
-        assert result.windows_to_reach(0.05, after=sc.phases[2]) is not None, lag
+        if lag <= 12:  # beyond, most windows straddle a switch: too few are measured
+            result = simulate(ModelBasedController(), sc.cluster, 400, seed=0,
+                              global_batch=512, switch_lag=lag)
+            assert result.windows_to_reach(0.05, after=sc.phases[2]) <= 6, lag
 
 
 # --------------------------------------------------------------------------- invariants ---

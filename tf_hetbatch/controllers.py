@@ -555,6 +555,8 @@ class _Controller:
             target, reason = self._decide(state, fit, hi, race, forced=True)
         elif not at_split:
             reason = "kept: the window straddles a switch"
+        elif np.any(stats["held_sign"] != 0):
+            reason = "kept: a window held back is checked at the same split"
         elif race.racing:
             # The rule still judges, from the split the race would go back to: a sure gain
             # of its own (new data identified a slope, say) ends the race.
@@ -646,14 +648,18 @@ class _Controller:
         same = valid & (st["level_n"] > 0) & (np.abs(sizes - st["level_size"]) <= _ROUNDING * (
             1.0 + np.abs(sizes)))
         noise, dof = _level_noise(st)
-        q = alarm_quantile(cfg.false_move_rate, state.num_replicas, dof)
+        n = np.where(same, st["level_n"], 1.0)
+        level = st["level_t"] / n
+        sd = np.sqrt(noise * level * level * (1.0 + 1.0 / n))
+        q = np.full(state.num_replicas, alarm_quantile(cfg.false_move_rate, state.num_replicas,
+                                                       dof))
+        low = high = level
         outlier = change = np.zeros(state.num_replicas, bool)
-        if math.isfinite(q) and same.any():
-            n = np.where(same, st["level_n"], 1.0)
-            level = st["level_t"] / n
-            sd = np.sqrt(noise * level * level * (1.0 + 1.0 / n))
-            _, outlier, change = detect(t, level, level, sd, q, st["held_sign"])
-            outlier, change = outlier & same, change & same
+        watched = same & np.isfinite(q)
+        if watched.any():
+            _, outlier, change = detect(t, low, high, np.where(watched, sd, 1.0),
+                                        np.where(watched, q, np.inf), st["held_sign"])
+            outlier, change = outlier & watched, change & watched
         accept = valid & ~outlier & ~change
         point = {"s0": np.ones_like(t), "sb": sizes, "sbb": sizes * sizes, "st": t,
                  "sbt": sizes * t, "stt": t * t}
@@ -662,8 +668,8 @@ class _Controller:
             new[k] = np.where(accept, lam * st[k] + point[k],
                               np.where(change, lam * st[h] + point[k], st[k]))
             new[h] = np.where(outlier, point[k], np.where(valid, 0.0, st[h]))
-        new["held_sign"] = np.where(outlier, np.sign(t - st["level_t"] / np.where(
-            st["level_n"] > 0, st["level_n"], 1.0)), np.where(valid, 0.0, st["held_sign"]))
+        new["held_sign"] = np.where(outlier, np.sign(t - np.clip(t, low, high)),
+                                    np.where(valid, 0.0, st["held_sign"]))
         # The level: on at the same size, afresh at a new one, the two windows after a change.
         keep = np.where(accept & same, lam, 0.0)
         for key, value, held in (("level_n", 1.0, "hs0"), ("level_t", t, "hst"),
@@ -698,11 +704,11 @@ class _Controller:
         sure = 100.0 * gain.sure / gain.current if gain.current > 0 else 0.0
         kind = "affine models" if self.affine else "throughput-proportional"
         if forced:
-            race.restart()
+            race.restart(changed=False)
             return target, f"rebalanced: current split out of bounds ({kind})"
         if not pays:
             return current, f"kept: predicted gain {pct:.1f}%, surely {sure:.1f}%"
-        race.restart()
+        race.restart(changed=False)
         return target, f"rebalanced: predicted gain {pct:.1f}%, surely {sure:.1f}% ({kind})"
 
 

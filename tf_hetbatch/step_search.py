@@ -12,8 +12,9 @@ value on every worker) and keeps the winner:
   replicas to the fast, d < 0 back. Arm d is the held split (the incumbent, at the tilt the
   last race kept) moved as the models' unrounded equal-finish split moves from the
   incumbent's tilt to d (equal replicas: no move, no race). The race starts with the
-  incumbent and the tilts one step either side; the rule still judges during a race, from
-  the incumbent, and ends it when its own split is surely faster.
+  incumbent and d + 1, the direction unseen costs of slow replicas call for (d - 1 if the
+  bounds leave nothing that way); the rule still judges during a race, from the incumbent,
+  and ends it when its own split is surely faster.
 - Visits go round robin in the order of d, so a drifting machine hits every arm alike. Each
   visit costs two windows: the one straddling the switch and the one measured.
 - After each window, arm j leaves the race unless what it might still save over the rest of
@@ -22,7 +23,13 @@ value on every worker) and keeps the winner:
   the confidence bound of that difference (pooled Student-t noise, Bonferroni over the arms)
   and c what a switch costs (`dead_band`). Clearly slower arms go at once; as the horizon is
   spent, so does any doubt.
-- A best arm at the edge whose inner neighbour is out gets the next arm beyond it.
+- A best arm at the edge whose inner neighbour is out gets the next arm beyond it (so an
+  incumbent that beat d + 1 is tried against d - 1).
+- An arm is not visited at all when its compute alone, as the time models predict it (a
+  lower bound of its step time: the step waits for every replica's compute), already takes
+  as long as the best step time measured.
+- The noise of the step time is pooled over the arms and the earlier races since the last
+  change (a rule's move keeps it): the bounds' degrees of freedom grow race after race.
 - The race ends with one arm left (at the latest when the horizon is spent): the incumbent
   stays unless the winner is surely faster, and the winner's tilt is kept for the rule's
   later targets. The held split's step time is then watched by the shared change detector;
@@ -104,6 +111,10 @@ class Search:
         self.phase = state.get("phase", IDLE)
         self.tilt = int(state.get("tilt", 0))
         self.held_sign = float(state.get("held_sign", 0.0))
+        # The step time's noise pooled over the races since the last change: squared
+        # deviations of windows at a repeated split from their mean, and their count.
+        self.noise_ss = float(state.get("noise_ss", 0.0))
+        self.noise_dof = float(state.get("noise_dof", 0.0))
         self.base = dict(state["base"]) if state.get("base") else None
         self.held = dict(state["held"]) if state.get("held") else None
         race = state.get("race")
@@ -127,6 +138,7 @@ class Search:
     def to_state(self) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
         """(the new `ControllerState.search`, its per-replica arrays for `stats`)."""
         state = plain({"phase": self.phase, "tilt": self.tilt, "held_sign": self.held_sign,
+                       "noise_ss": self.noise_ss, "noise_dof": self.noise_dof,
                        "base": self.base, "race": self.race, "held": self.held})
         if not self.racing:
             return state, {}
@@ -166,6 +178,14 @@ class Search:
     def _in_bounds(self, split) -> bool:
         return bool(np.all(split >= self.lo) and np.all(split <= self.hi))
 
+    def _worth(self, split, fastest: float) -> bool:
+        """A new arm is worth a visit if it is a new split within the bounds whose compute
+        alone (the models' slowest replica: a lower bound of its step time) does not already
+        take as long as `fastest`, the best step time measured so far."""
+        if self._known(split) or not self._in_bounds(split):
+            return False
+        return float(np.max(self.alpha + self.beta * split)) < fastest
+
     def _known(self, split) -> bool:
         return bool(np.any(np.all(self.splits == split[:, None], axis=0)))
 
@@ -183,7 +203,7 @@ class Search:
             if j < 0:
                 return
             cell = {k: race[k][j] for k in ("n", "s1", "s2")}
-            noise, dof = _pooled(race)
+            noise, dof = self._pooled()
         else:
             cell = self.held
             noise, dof = self.held["noise"], self.held["dof"]
@@ -206,9 +226,12 @@ class Search:
             _add(self.held, y)
 
     # ----- transitions ------------------------------------------------------------------
-    def restart(self) -> None:
-        """Conditions changed (or the rule moved): forget the step times, keep the tilt."""
+    def restart(self, changed: bool = True) -> None:
+        """The rule moved (`changed` False) or conditions changed: forget the step times
+        measured (and after a change their noise too); keep the tilt."""
         self.phase, self.base, self.race, self.held, self.held_sign = IDLE, None, None, None, 0.0
+        if changed:
+            self.noise_ss = self.noise_dof = 0.0
 
     def switched(self, target) -> None:
         """The controller moved to `target`."""
@@ -231,12 +254,15 @@ class Search:
         if rule is not None and rule[0] is alpha and rule[1] is beta:
             self._fills[self.tilt] = rule[2]
         self.race = {"incumbent": self.tilt, "arms": [self.tilt]}
-        for d in (self.tilt - 1, self.tilt + 1):
+        base = self.base or _cell()
+        fastest = math.exp(base["s1"] / base["n"]) if base["n"] else math.inf
+        for d in (self.tilt + 1, self.tilt - 1):  # the other way only if none this way
+            if len(self.race["arms"]) > 1:
+                break
             split = self._arm_split(d)
-            if not self._known(split) and self._in_bounds(split):
+            if self._worth(split, fastest):
                 self.splits = np.concatenate([self.splits, split[:, None]], axis=1)
                 self.race["arms"].append(d)
-        base = self.base or _cell()
         if len(self.race["arms"]) == 1:
             # No neighbouring split (e.g. the even split of equal replicas): nothing to race.
             self.phase = HOLDING
@@ -268,7 +294,8 @@ class Search:
         alive = [j for j, a in enumerate(race["alive"]) if a]
         if len(alive) <= 1 or race["spent"] >= self.cfg.horizon:
             win = self._choice()
-            noise, dof = _pooled(race)
+            noise, dof = self._pooled()
+            self.noise_ss, self.noise_dof = noise * dof, dof
             self.tilt = race["arms"][win]
             split = self.splits[:, win].copy()
             self.held = {"n": race["n"][win], "s1": race["s1"][win], "s2": race["s2"][win],
@@ -283,6 +310,17 @@ class Search:
             f"{self.splits[:, nxt].tolist()}")
 
     # ----- the race ---------------------------------------------------------------------
+    def _pooled(self) -> Tuple[float, float]:
+        """Variance of a window's log step time (pooled: the arms' windows around their means
+        and the earlier races' since the last change), and its degrees of freedom."""
+        race = self.race
+        ss = sum(s2 - s1 * s1 / n for n, s1, s2 in zip(race["n"], race["s1"], race["s2"])
+                 if n > 0)
+        dof = sum(max(n - 1, 0) for n in race["n"]) + self.noise_dof
+        if dof <= 0:
+            return 0.0, 0.0
+        return (max(ss, 0.0) + self.noise_ss) / dof, float(dof)
+
     def _bound(self, j: int, b: int, q: float, noise: float) -> float:
         race = self.race
         if noise <= 0:
@@ -305,7 +343,7 @@ class Search:
         b = self._best()
         if b is None:
             return
-        noise, dof = _pooled(race)
+        noise, dof = self._pooled()
         q = self._quantile(dof)
         rest = max(self.cfg.horizon - race["spent"], 0)
         mean_b = race["s1"][b] / race["n"][b]
@@ -340,7 +378,7 @@ class Search:
                     race["alive"][race["arms"].index(inner)]:
                 continue
             split = self._arm_split(outer)
-            if self._known(split) or not self._in_bounds(split):
+            if not self._worth(split, math.exp(race["s1"][b] / race["n"][b])):
                 continue
             self.splits = np.concatenate([self.splits, split[:, None]], axis=1)
             for key, value in (("arms", outer), ("n", 0), ("s1", 0.0), ("s2", 0.0),
@@ -354,7 +392,7 @@ class Search:
         b = self._best()
         if b is None or b == inc or race["n"][inc] == 0:
             return inc
-        noise, dof = _pooled(race)
+        noise, dof = self._pooled()
         slower = race["s1"][inc] / race["n"][inc] - race["s1"][b] / race["n"][b]
         return b if slower > self._bound(inc, b, self._quantile(dof), noise) else inc
 
@@ -365,15 +403,6 @@ class Search:
         at = race["arms"][race["at"]] if race["at"] >= 0 else min(race["arms"]) - 1
         later = [j for d, j in order if d > at]
         return later[0] if later else order[0][1]
-
-
-def _pooled(race):
-    """Pooled variance of the arms' window log step times, and its degrees of freedom."""
-    dof = sum(max(n - 1, 0) for n in race["n"])
-    if dof <= 0:
-        return 0.0, 0.0
-    ss = sum(s2 - s1 * s1 / n for n, s1, s2 in zip(race["n"], race["s1"], race["s2"]) if n > 0)
-    return max(ss, 0.0) / dof, float(dof)
 
 
 def _ms(cell) -> str:
