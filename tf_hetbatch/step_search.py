@@ -12,8 +12,8 @@ value on every worker) and keeps the winner:
   replicas to the fast, d < 0 back. Arm d is the held split (the incumbent, at the tilt the
   last race kept) moved as the models' unrounded equal-finish split moves from the
   incumbent's tilt to d (equal replicas: no move, no race). The race starts with the
-  incumbent and d + 1, the direction unseen costs of slow replicas call for (d - 1 if the
-  bounds leave nothing that way); the rule still judges during a race, from the incumbent,
+  incumbent and d + 1, the direction unseen costs of slow replicas call for (d - 1 if no
+  arm is worth a visit that way); the rule still judges during a race, from the incumbent,
   and ends it when its own split is surely faster.
 - Visits go round robin in the order of d, so a drifting machine hits every arm alike. Each
   visit costs two windows: the one straddling the switch and the one measured.
@@ -266,7 +266,8 @@ class Search:
         if len(self.race["arms"]) == 1:
             # No neighbouring split (e.g. the even split of equal replicas): nothing to race.
             self.phase = HOLDING
-            self.held = {**base, "noise": 0.0, "dof": 0.0}
+            pooled = self.noise_ss / self.noise_dof if self.noise_dof > 0 else 0.0
+            self.held = {**base, "noise": pooled, "dof": self.noise_dof}
             return current, ""
         order = np.argsort(self.race["arms"], kind="stable")
         arms = [self.race["arms"][i] for i in order]
