@@ -58,6 +58,7 @@ def run(mode, args, caps, workdir):
               "--batch", str(args.batch), "--filters", str(args.filters),
               "--pipeline", args.pipeline, "--augment", args.augment,
               "--input-work", args.input_work,
+              "--steps-per-execution", str(args.steps_per_execution),
               "--result", result, "--log-dir", log_dir,
               "--progress-every", "0" if args.steps else "20"]
     if args.steps:
@@ -117,6 +118,8 @@ def main(argv=None):
                              "decode only (light)")
     parser.add_argument("--input-work", choices=["split", "unsplit"], default="split",
                         help="each worker decodes its own samples only (default), or all")
+    parser.add_argument("--steps-per-execution", type=int, default=1,
+                        help="Keras's steps_per_execution, both runs (default 1)")
     parser.add_argument("--steps", type=int, default=0, help="tiny mode: steps per epoch")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--out", default="", help="folder for logs and results (default: a new temp dir)")
@@ -127,7 +130,8 @@ def main(argv=None):
     os.makedirs(workdir, exist_ok=True)
 
     print(f"tf_hetbatch demo: 3 workers on 127.0.0.1, CPU caps {caps} "
-          f"(H = {max(caps) / min(caps):.1f}), global batch {args.batch}")
+          f"(H = {max(caps) / min(caps):.1f}), global batch {args.batch}, "
+          f"steps_per_execution {args.steps_per_execution}")
     runs = {}
     for mode, title in (("even", "stock even split (what every tf.distribute strategy does)"),
                         ("dynamic", "tf_hetbatch DynamicBatching()")):

@@ -36,7 +36,7 @@ import fashion_mnist  # noqa: E402
 import tf_hetbatch as hb  # noqa: E402
 
 
-def make_model(kind, filters=16):
+def make_model(kind, filters=16, steps_per_execution=1):
     keras.utils.set_random_seed(7)
     if kind == "linear":  # communication bound: tiny compute, the all-reduce dominates
         layers = [keras.layers.Flatten(), keras.layers.Dense(10)]
@@ -60,6 +60,7 @@ def make_model(kind, filters=16):
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
+        steps_per_execution=steps_per_execution,
     )
     return model
 
@@ -74,15 +75,21 @@ class Progress(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = time.perf_counter()
+        self._done = 0  # steps of this epoch so far
 
     def on_train_batch_begin(self, batch, logs=None):
         self._t = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
-        self.step_times.append(time.perf_counter() - self._t)
-        if self.chief and self.every and (batch + 1) % self.every == 0:
+        # One call per execution: `batch` is its last step (steps_per_execution > 1; Keras
+        # counts a whole execution at an epoch's end).
+        done = min(batch + 1, self.total)
+        steps, before = max(done - self._done, 1), self._done
+        self._done = done
+        self.step_times.extend([(time.perf_counter() - self._t) / steps] * steps)
+        if self.chief and self.every and done // self.every > before // self.every:
             recent = np.median(self.step_times[-self.every:]) * 1e3
-            print(f"  step {batch + 1}/{self.total}  loss {logs['loss']:.3f}  "
+            print(f"  step {done}/{self.total}  loss {logs['loss']:.3f}  "
                   f"{recent:.0f} ms/step", flush=True)
 
     def on_epoch_end(self, epoch, logs=None):
@@ -100,11 +107,17 @@ class ComputeTimes(keras.callbacks.Callback):
         self.strategy, self.warmup, self.step = strategy, warmup, 0
         self.windows = []
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._done = 0
+
     def on_train_batch_end(self, batch, logs=None):
-        self.step += 1
-        if self.step == self.warmup or (self.step > self.warmup and self.step % 10 == 0):
+        before, self.step = self.step, self.step + batch + 1 - self._done
+        self._done = batch + 1
+        if (before < self.warmup <= self.step
+                or (self.step > self.warmup and self.step // 10 > before // 10)):
             times = self.strategy.read_replica_times(reset=True)  # collective: every worker
-            if self.step > self.warmup:
+            # (DynamicBatching reads with reset too: a read at the same call finds no steps.)
+            if self.step > self.warmup and np.all(np.asarray(times.steps) > 0):
                 self.windows.append((times.samples_per_step.tolist(), times.time_per_step.tolist()))
 
 
@@ -140,6 +153,8 @@ def main(argv=None):
     parser.add_argument("--train-samples", type=int, default=12800)
     parser.add_argument("--test-samples", type=int, default=10000)
     parser.add_argument("--steps", type=int, default=0, help="tiny mode: steps per epoch")
+    parser.add_argument("--steps-per-execution", type=int, default=1,
+                        help="Keras's steps_per_execution (cuts a step's fixed cost)")
     parser.add_argument("--replicas", type=int, default=0,
                         help="without TF_CONFIG: logical CPU replicas on this host")
     parser.add_argument("--log-dir", default="")
@@ -181,7 +196,7 @@ def main(argv=None):
     if args.mode == "static":
         strategy.set_batch_sizes([int(s) for s in args.sizes.split(",")])
     with strategy.scope():
-        model = make_model(args.model, args.filters)
+        model = make_model(args.model, args.filters, args.steps_per_execution)
     steps = n_train // args.batch + (n_train % args.batch > 0)
     progress = Progress(chief, args.progress_every, steps)
     warmup = min(5, max(steps - 1, 1))
@@ -205,6 +220,7 @@ def main(argv=None):
         "data": source,
         "replicas": strategy.num_replicas_in_sync,
         "global_batch": args.batch,
+        "steps_per_execution": args.steps_per_execution,
         "epoch_seconds": progress.epoch_times,
         "step_ms_median": float(np.median(progress.step_times[warmup:]) * 1e3),
         "step_ms_late_median": float(np.median(progress.step_times[len(progress.step_times) // 2:]) * 1e3),

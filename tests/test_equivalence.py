@@ -203,3 +203,23 @@ def test_steps_per_execution_with_a_switch_matches_one_device(cpus, spe):
     for mine, theirs in zip(logs.batches, expected):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
         assert mine["accuracy"] == pytest.approx(theirs["accuracy"], rel=1e-6)
+
+
+def test_evaluate_and_predict_with_steps_per_execution_match_one_device(cpus):
+    # 150 samples in batches of 32 (5 batches, a partial last one: 2 executions of 3 steps,
+    # the second cut short by the data), split unevenly: the same results, in order.
+    x, y = image_data(n=150)
+    ref = conv_syncbn_model()
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes(SPLIT)
+    with strategy.scope():
+        ours = conv_syncbn_model()
+        ours.compile(optimizer="sgd", loss=ours.loss, metrics=["accuracy"],
+                     steps_per_execution=3)
+    ours.set_weights(ref.get_weights())
+    expected = ref.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    got = ours.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert got["accuracy"] == pytest.approx(expected["accuracy"], rel=1e-6)
+    np.testing.assert_allclose(ours.predict(x, batch_size=32, verbose=0),
+                               ref.predict(x, batch_size=32, verbose=0), rtol=1e-5, atol=1e-6)

@@ -108,11 +108,11 @@ class Window(keras.callbacks.Callback):
 class SetSplit(keras.callbacks.Callback):
     """Sets a fixed split when the fit begins (a collective, the same point on every worker).
 
-    Not between fits: a finished fit's iterator may have produced more than SWITCH_MARGIN
-    batches beyond the steps trained, and `set_batch_sizes` then refuses the switch, although
-    those batches are never trained (seen once in ~40 fits here: 9 ahead on the 0.2-CPU
-    worker). When the fit begins, Keras has pulled the first batch from a fresh iterator,
-    whose keys restart at the steps trained.
+    When the fit begins, Keras has pulled the first batch from a fresh iterator, whose keys
+    restart at the steps trained, so the switch lands at the phase's first steps. (Split
+    pipelines once ended on tf.data's injected autotuned prefetch, whose buffer could run
+    9 batches ahead and made `set_batch_sizes` refuse; they end on a fixed one-batch
+    prefetch now.)
     """
 
     def __init__(self, strategy, sizes):
