@@ -197,7 +197,7 @@ def stop_at(call):
     return At(call, lambda cb: setattr(cb.model, "stop_training", True))
 
 
-@pytest.mark.parametrize("spe, where", [(1, "local"), (3, "local"), (1, "ram")])
+@pytest.mark.parametrize("spe, where", [(3, "local"), (1, "ram")])
 def test_in_process_stop_and_resume_equals_one_device(tmp_path, cpus, spe, where):
     # steps_per_execution=3: calls end at steps 3, 6, 9, 10 of each 10-step epoch; the 5th
     # call ends at step 13, as the 13th does with 1. ram://: any tf.io.gfile file system.
@@ -434,3 +434,37 @@ def test_coordination_key_value_store_is_the_context_api():
     ctx = context.context()
     assert callable(ctx.set_config_key_value)
     assert "timeout_in_ms" in inspect.signature(ctx.get_config_key_value).parameters
+
+
+def test_a_local_notice_is_due_at_the_next_step_boundary_and_restores_the_handler():
+    from tf_hetbatch.preemption import PreemptionNotice
+
+    handler = signal.getsignal(signal.SIGTERM)
+    notice = PreemptionNotice(None)
+    assert not notice.multi_worker
+    notice.start()
+    try:
+        assert signal.getsignal(signal.SIGTERM) != handler
+        assert not notice.due(3) and notice.agreed_step is None
+        notice.request()
+        assert notice.requested and notice.due(5) and notice.agreed_step == 5
+        assert notice.due(6)  # stays due until acted on
+    finally:
+        notice.close()
+    assert signal.getsignal(signal.SIGTERM) == handler
+
+
+def test_only_a_synchronous_cluster_agrees_on_the_step():
+    from tf_hetbatch.preemption import PreemptionNotice
+
+    def resolver(jobs, task_type="worker", task_id=1):
+        spec = tf.train.ClusterSpec({job: [f"127.0.0.1:{1000 + i}" for i in range(n)]
+                                     for job, n in jobs.items()})
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            spec, task_type=task_type, task_id=task_id)
+
+    assert PreemptionNotice(resolver({"worker": 2})).multi_worker
+    assert PreemptionNotice(resolver({"chief": 1, "worker": 1}, task_id=0)).multi_worker
+    assert not PreemptionNotice(resolver({"worker": 1}, task_id=0)).multi_worker
+    assert not PreemptionNotice(resolver({"chief": 1, "ps": 1, "worker": 2}, "chief", 0)) \
+        .multi_worker

@@ -59,10 +59,12 @@ class PreemptionNotice:
     after saving, exit with `RESTART_EXIT_CODE`; `close()` when training ends (restores the
     previous SIGTERM handler, stops the thread). `request()` gives the notice from code.
 
-    While started, a SIGTERM does not end the process: it only asks for the save. Outside
-    (before `start`, after `close`) the process's own handler is in force; note that in a
-    multi-worker process TensorFlow's coordination service installs a C++ SIGTERM handler
-    that does not end the process either (Python still reports the default handler).
+    While started, a SIGTERM does not end the process: it only asks for the save. Before
+    `start` the process's own handler is in force; note that in a multi-worker process
+    TensorFlow's coordination service installs a C++ SIGTERM handler that does not end the
+    process either, while Python still reports the default handler. `close` puts back the
+    handler Python reported, so after it a SIGTERM ends the process (the default) unless the
+    program had installed a handler of its own.
 
     Args:
         cluster_resolver: the strategy's `cluster_resolver`, or None. With a cluster of two or
@@ -143,7 +145,9 @@ class PreemptionNotice:
     def close(self) -> None:
         """Restores the previous SIGTERM handler and stops the watcher thread."""
         if self._installed:
-            signal.signal(signal.SIGTERM, self._old_handler)
+            # None: the previous handler was not installed from Python; the default then.
+            old = signal.SIG_DFL if self._old_handler is None else self._old_handler
+            signal.signal(signal.SIGTERM, old)
             self._installed = False
         self._stop.set()
         if self._thread is not None:

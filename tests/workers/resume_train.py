@@ -14,6 +14,7 @@ its last step, the step saved on a notice, the ids it trained).
 
 import argparse
 import json
+import logging
 import os
 import signal
 
@@ -80,7 +81,11 @@ def main():
     parser.add_argument("--term-attempt", type=int, default=0)
     parser.add_argument("--term-step", type=int, default=-1)
     parser.add_argument("--dynamic", action="store_true", help="with DynamicBatching")
+    parser.add_argument("--log-info", action="store_true",
+                        help="show tf_hetbatch's INFO lines (resume, preemption notices)")
     args = parser.parse_args()
+    if args.log_info:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     attempt = int(os.environ.get("TF_HETBATCH_RESTART", "0"))
     strategy = hb.HeteroMultiWorkerMirroredStrategy()
