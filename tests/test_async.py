@@ -107,38 +107,32 @@ def test_dynamic_batching_splits_by_worker_speed_and_logs_staleness(tmp_path):
                                  "val_loss"] and len(csv) == 3
 
 
-def test_a_lost_parameter_server_stops_with_a_checkpoint_to_resume_from(tmp_path):
+def test_a_notice_to_the_chief_redoes_no_update_and_a_lost_ps_resumes_from_the_checkpoint(
+        tmp_path):
     ckpt = tmp_path / "ckpt"
+    out = tmp_path / "p.json"
+    # Attempt 0: the chief gets a SIGTERM after scheduling its 25th update (mid-epoch 0): it
+    # waits for the scheduled updates, saves and exits with RESTART_EXIT_CODE; the launcher
+    # restarts the cluster without counting a failure. Attempt 1 resumes at the saved update;
+    # the ps is killed at the end of its epoch 0: training stops with ParameterServerLostError,
+    # a failure (max_restarts=1). Attempt 2 resumes from the checkpoint of epoch 0's end.
     data, result, text = run_async(
-        TRAIN, tmp_path / "p.json", "--epochs", "3", "--steps", "40", "--checkpoint-dir",
-        str(ckpt), "--kill-after-epoch", "ps:0", max_restarts=1)
+        TRAIN, out, "--epochs", "3", "--steps", "40", "--checkpoint-dir", str(ckpt),
+        "--term-at-update", "25", "--kill-after-epoch", "ps:0", "--kill-attempt", "1",
+        max_restarts=1)
+    assert result.attempts == 3
+    first = json.loads((tmp_path / "p.json.attempt0.json").read_text())
+    saved = first["preempted_at"]
+    # The notice: every update scheduled before it was applied and saved; the relaunch went
+    # on from exactly there: no update done twice, none lost.
+    assert saved == first["updates"] == 25
+    second = json.loads((tmp_path / "p.json.attempt1.json").read_text())
+    assert second["restored"]["step"] == saved
     assert "killing ps:0" in text
-    assert result.attempts == 2
-    # The first attempt's chief saved epoch 1 before the kill; the second resumed from it
-    # and trained epochs 2 and 3 only.
+    # The lost ps: the last attempt resumed from the end of epoch 0 and trained epochs 1, 2.
+    assert data["restored"]["step"] == 40
     assert len(data["history"]["val_accuracy"]) == 2
     assert data["update_count"] == 80
     _, position = run_checkpoint.latest(str(ckpt))
-    assert position["epoch"] == 3 and position["step"] == 120
+    assert (position["step"], position["epoch"], position["batch"]) == (120, 3, 0)
     assert data["history"]["val_accuracy"][-1] > 0.7
-
-
-def test_a_sigterm_to_the_chief_saves_and_the_relaunch_redoes_no_update(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    out = tmp_path / "t.json"
-    # The chief gets a SIGTERM after scheduling its 25th update (mid-epoch 1): it waits for
-    # the scheduled updates, saves and exits with RESTART_EXIT_CODE; the launcher restarts
-    # the cluster (max_restarts=0: not a failure) and the chief resumes at the saved update.
-    data, result, text = run_async(TRAIN, out, "--epochs", "2", "--steps", "20",
-                                   "--checkpoint-dir", str(ckpt), "--term-at-update", "25")
-    assert result.attempts == 2
-    first = json.loads((tmp_path / "t.json.attempt0.json").read_text())
-    saved = first["preempted_at"]
-    assert saved is not None and 25 <= saved <= 26
-    # Every update scheduled before the notice was applied and saved; the relaunch went on
-    # from exactly there: no update done twice, none lost.
-    assert first["updates"] == saved
-    assert data["restored"]["step"] == saved
-    assert data["update_count"] == 40 - saved
-    _, position = run_checkpoint.latest(str(ckpt))
-    assert (position["step"], position["epoch"], position["batch"]) == (40, 2, 0)

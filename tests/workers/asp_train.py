@@ -69,7 +69,8 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--kill-after-epoch", default=None, metavar="TYPE:INDEX",
                    help="SIGKILL this task (e.g. worker:1, ps:0) at the end of the first "
-                        "epoch, on the first launch attempt only (fault-tolerance tests)")
+                        "epoch, on launch attempt --kill-attempt only (fault-tolerance tests)")
+    p.add_argument("--kill-attempt", type=int, default=0)
     p.add_argument("--term-at-update", type=int, default=None, metavar="N",
                    help="the chief sends itself a SIGTERM (a preemption notice) after its N-th "
                         "scheduled update, on the first launch attempt only")
@@ -110,13 +111,13 @@ def main(argv=None):
     callbacks = [counts]
     if args.dynamic:
         callbacks.append(hb.DynamicBatching(log_dir=args.log_dir, interval=10, warmup_steps=4))
-    if args.kill_after_epoch and os.environ.get("TF_HETBATCH_RESTART", "0") == "0":
+    attempt = os.environ.get("TF_HETBATCH_RESTART", "0")
+    if args.kill_after_epoch and attempt == str(args.kill_attempt):
         class Kill(keras.callbacks.Callback):
             def on_epoch_end(self, epoch, logs=None):
                 if epoch == 0:
                     kill_task(args.kill_after_epoch)
         callbacks.append(Kill())
-    attempt = os.environ.get("TF_HETBATCH_RESTART", "0")
     if args.term_at_update and attempt == "0":
         class Term(keras.callbacks.Callback):
             def __init__(self):
@@ -141,8 +142,12 @@ def main(argv=None):
                               validation_data=tf.data.Dataset.from_tensor_slices((xv, yv))
                               .batch(256), callbacks=callbacks, verbose=2)
     finally:
+        try:
+            updates = strategy.updates
+        except tf.errors.OpError:  # a parameter server is gone
+            updates = None
         with open(f"{args.out}.attempt{attempt}.json", "w") as f:
-            json.dump({"updates": strategy.updates, "preempted_at": trainer.preempted_at,
+            json.dump({"updates": updates, "preempted_at": trainer.preempted_at,
                        "restored": trainer.restored}, f)
     times = strategy.read_replica_times()
     result = {
