@@ -180,7 +180,7 @@ class DynamicBatching(keras.callbacks.Callback):
         self._batch_start = 0.0
         self._measuring = False
         self._warm_base = None
-        self._first_after_change = False
+        self._change_step = None
 
     # ------------------------------------------------------------------ public state ------
     @property
@@ -306,6 +306,7 @@ class DynamicBatching(keras.callbacks.Callback):
         strategy = hetero_strategy_of(self.model, "DynamicBatching")
         self._strategy = strategy
         self._steps = StepCounter(strategy)
+        self._switch_lag = int(strategy.switch_lag_steps)
         num = strategy.num_parts
         # On every worker alike, before any collective; B may still be unknown (then the
         # first window gives it, see `_finish_static`).
@@ -317,7 +318,7 @@ class DynamicBatching(keras.callbacks.Callback):
         # Asynchronous training: a worker's first updates of a fit include its tracing and
         # input start-up; measuring starts once every worker finished two (`_workers_warm`).
         self._warm_base = strategy.read_totals() if hasattr(strategy, "read_totals") else None
-        self._first_after_change = False
+        self._change_step = None  # the step of the last change of split, until it shows
         self.windows = []
         if strategy.is_chief and self.log_dir is not None:
             from tf_hetbatch.summaries import BalanceWriter
@@ -481,8 +482,13 @@ class DynamicBatching(keras.callbacks.Callback):
         # A replica whose compute is shorter than the clock's resolution can read 0 (or, its
         # start stamp run late, slightly below): "not measured" for the controller and dashboards.
         secs = np.maximum(np.nan_to_num(times.time_per_step, nan=0.0), 0.0)
-        first_after_change, self._first_after_change = self._first_after_change, False
         settled = self._sizes is not None and np.allclose(sizes, self._sizes, rtol=0, atol=1e-9)
+        # A window that may mix the old and the new split: it started before the new split was
+        # surely in force, and its samples are not the new split's.
+        straddles = (self._change_step is not None and not settled
+                     and self._global_step - steps < self._change_step + self._switch_lag)
+        if settled or not straddles:
+            self._change_step = None
         used = False
         idle = np.flatnonzero(np.asarray(times.steps) <= 0)
         if len(idle) and self._static_done:
@@ -493,7 +499,7 @@ class DynamicBatching(keras.callbacks.Callback):
                         "kept.", self._global_step, idle.tolist())
         elif not self._static_done:
             self._finish_static(strategy, sizes, times)
-        elif first_after_change and not settled:
+        elif straddles:
             logger.debug("Window ending at step %d straddles a change of split; skipped.",
                          self._global_step)
         else:
@@ -538,7 +544,7 @@ class DynamicBatching(keras.callbacks.Callback):
         in_effect = strategy.batch_sizes  # the even split until sizes were set
         strategy.set_batch_sizes(list(sizes))  # a collective, on every worker
         if in_effect is None or tuple(in_effect) != tuple(sizes):
-            self._first_after_change = True
+            self._change_step = self._global_step
         self._sizes = tuple(int(v) for v in sizes)
 
     def _record(self, old, new, reason):

@@ -137,6 +137,9 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
     def _keyed_by_step(self):
         return True
 
+    def _switch_lag_steps(self):
+        return SWITCH_MARGIN
+
     def _agree_on_seed(self):
         # Worker 0's draw, sent to every worker in one small collective.
         draw = float(np.random.default_rng().integers(2**31 - 1))

@@ -162,6 +162,13 @@ class HeteroParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         """Sum of the per-worker batch sizes: the samples of one round of K updates."""
         return self._total
 
+    @property
+    def switch_lag_steps(self) -> int:
+        """Steps after `set_batch_sizes` until the new split is in force: the next scheduled
+        update takes it (at most 2 steps per worker are queued with the old one, whose
+        measurements the windows' per-worker samples show)."""
+        return 1
+
     def set_batch_sizes(self, sizes: Sequence[int]) -> None:
         """Sets each worker's mini-batch size, effective for the steps scheduled from now on.
 

@@ -17,6 +17,11 @@ from tf_hetbatch import weighting
 
 logger = logging.getLogger(__name__)
 
+# One host: a split set now applies to the global batches produced after it. The split
+# pipeline ends on a one-global-batch prefetch (`input_split.split_global_batches`), the
+# distributed iterator buffers one more, one is in flight: at most 3 steps.
+ONE_HOST_SWITCH_LAG_STEPS = 3
+
 
 class HeteroMixin:
     """What both tf_hetbatch strategies add to their stock base class.
@@ -443,6 +448,17 @@ class HeteroMixin:
                 value,
             )
         return super().reduce(reduce_op, value, axis)
+
+    @property
+    def switch_lag_steps(self) -> int:
+        """An upper bound on the training steps after `set_batch_sizes` until the new split is
+        in force on every replica (one host: the split pipeline runs at most a few global
+        batches ahead; several workers: exactly `multi_worker.SWITCH_MARGIN`). Measurements
+        that start earlier may mix the two splits."""
+        return self._switch_lag_steps()
+
+    def _switch_lag_steps(self):
+        return ONE_HOST_SWITCH_LAG_STEPS
 
     @property
     def is_chief(self) -> bool:
