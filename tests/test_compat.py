@@ -313,3 +313,15 @@ def test_coordination_barrier_is_the_context_method():
     assert params == ["self", "barrier_id", "timeout_in_ms"]
     with pytest.raises(tf.errors.FailedPreconditionError, match="Coordination service"):
         _compat.wait_at_coordination_barrier("tf_hetbatch/canary", timeout_s=1)
+
+
+def test_coordination_key_value_store_is_the_context_api():
+    # Canary of the private API a multi-worker preemption notice agrees through
+    # (_compat.insert_coordination_key, _compat.get_coordination_key).
+    import inspect
+
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    assert callable(ctx.set_config_key_value)
+    assert "timeout_in_ms" in inspect.signature(ctx.get_config_key_value).parameters

@@ -425,17 +425,6 @@ def test_restore_needs_a_tf_hetbatch_strategy(tmp_path):
         ResumableCheckpoint(tmp_path).restore(model)
 
 
-def test_coordination_key_value_store_is_the_context_api():
-    """Canary of the private API the multi-worker notice agrees through (_compat_coordination)."""
-    import inspect
-
-    from tensorflow.python.eager import context
-
-    ctx = context.context()
-    assert callable(ctx.set_config_key_value)
-    assert "timeout_in_ms" in inspect.signature(ctx.get_config_key_value).parameters
-
-
 def test_a_local_notice_is_due_at_the_next_step_boundary_and_restores_the_handler():
     from tf_hetbatch.preemption import PreemptionNotice
 

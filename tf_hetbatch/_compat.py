@@ -910,3 +910,39 @@ def metric_results_in_one_reduce(strategy, metrics, reduce=True):
         else:
             results[metric.name] = result
     return results
+
+
+# --- The coordination service's key-value store (tensorflow: no public API in 2.21) ---------
+# `tf.distribute.MultiWorkerMirroredStrategy` runs TensorFlow's coordination service; its
+# key-value store (insert-if-absent, blocking get with a timeout) is what
+# `tf.distribute.experimental.PreemptionCheckpointHandler` agrees on a step with, and what
+# `tf_hetbatch.preemption` uses: `context.Context.set_config_key_value` /
+# `get_config_key_value(key, timeout_in_ms)`. Canary:
+# `test_coordination_key_value_store_is_the_context_api`.
+def insert_coordination_key(key, value):
+    """Inserts `key` = `value` into the cluster's store; False if the key already exists.
+
+    Raises:
+        tf.errors.OpError: no coordination service, or it is unreachable.
+    """
+    from tensorflow.python.eager import context
+
+    try:
+        context.context().set_config_key_value(key, value)
+    except tf.errors.AlreadyExistsError:
+        return False
+    return True
+
+
+def get_coordination_key(key, timeout_s):
+    """The value of `key`, waiting for it at most `timeout_s` seconds; None on timeout.
+
+    Raises:
+        tf.errors.OpError: no coordination service, or it is unreachable.
+    """
+    from tensorflow.python.eager import context
+
+    try:
+        return context.context().get_config_key_value(key, max(1, int(timeout_s * 1000)))
+    except tf.errors.DeadlineExceededError:
+        return None
