@@ -165,21 +165,18 @@ def _make_function_inlined(self, step_function):
                     execution_step, optional_outputs, next_optional_inputs)
             return execution_step, optional_outputs, next_optional_inputs
 
-        strategy = self.distribute_strategy
-        global_logs = getattr(strategy, "global_logs", None)
-        with deferred_global_logs(global_logs is not None):
-            _, final_optional_outputs, _ = tf.while_loop(
+        with deferred_global_logs():
+            _, final, _ = tf.while_loop(
                 cond, body,
                 loop_vars=[tf.constant(0), empty_outputs, next_as_optional(iterator)])
-        final_optional_outputs._element_spec = empty_outputs.element_spec
-        if global_logs is None:
-            return final_optional_outputs
+        final._element_spec = empty_outputs.element_spec
         # The last step's logs, made global in one all-reduce per execution (every worker
-        # takes the same branch: their data ends together).
-        final = final_optional_outputs
+        # takes the same branch: their data ends together). Installed only under our
+        # strategies (`inline_multi_step`), which have `global_logs`.
         return tf.cond(
             final.has_value(),
-            lambda: tf.experimental.Optional.from_value(global_logs(self, final.get_value())),
+            lambda: tf.experimental.Optional.from_value(
+                self.distribute_strategy.global_logs(self, final.get_value())),
             lambda: final)
 
     if not self.run_eagerly:
@@ -203,12 +200,12 @@ _DEFERRED = threading.local()
 
 
 @contextlib.contextmanager
-def deferred_global_logs(on=True):
+def deferred_global_logs():
     """While tracing a multi-step loop: our strategies' `run` returns logs of the right structure
     without the cross-replica reduce (`global_logs_deferred()`); only the loop's last logs are
     read, and `_make_function_inlined` makes those global after the loop."""
     previous = getattr(_DEFERRED, "on", False)
-    _DEFERRED.on = bool(on)
+    _DEFERRED.on = True
     try:
         yield
     finally:
