@@ -45,7 +45,7 @@ class Captured(io.TextIOBase):
 
 
 def run_cluster(plan, caps, workdir, name, timeout, schedule=None, echo=True, threads=1,
-                cap_after=None, worker=WORKER):
+                cap_after=None, worker=WORKER, accept_failure_with_result=False):
     """Runs `worker` (default `hetero_worker.py`) with `plan` on len(caps) workers; returns the
     chief's result dict.
 
@@ -56,7 +56,9 @@ def run_cluster(plan, caps, workdir, name, timeout, schedule=None, echo=True, th
     import TensorFlow) and apply `caps` by the launcher's schedule `cap_after` seconds after
     the start; the workers run their `warmup` phase, then wait until `cap_after + 1` s
     (`plan["start_at"]`) before the measured phases. `schedule` entries (text) are appended.
-    Every worker line goes to `<workdir>/<name>.log`.
+    Every worker line goes to `<workdir>/<name>.log`. `accept_failure_with_result`: a launch
+    that failed after the chief wrote its result (e.g. deliberate attempts at its end) returns
+    that result, with the failure in `launch_message`.
     """
     os.makedirs(workdir, exist_ok=True)
     plan = dict(plan)
@@ -87,10 +89,14 @@ def run_cluster(plan, caps, workdir, name, timeout, schedule=None, echo=True, th
     if not outcome.ok or not os.path.exists(result_path):
         tail = [line for line in stream.lines if not any(n in line for n in NOISE)][-40:]
         sys.stdout.write("\n".join(tail) + "\n")
-        raise SystemExit(f"{name}: the cluster run failed: {outcome.message} (full log: "
-                         f"{log_path})")
+        if not (accept_failure_with_result and os.path.exists(result_path)):
+            raise SystemExit(f"{name}: the cluster run failed: {outcome.message} (full log: "
+                             f"{log_path})")
+        print(f"    note: {name} ended with {outcome.message} after writing its result",
+              flush=True)
     with open(result_path) as f:
         result = json.load(f)
+    result["launch_message"] = outcome.message
     result["wall_seconds"] = time.perf_counter() - started
     result["cap_method"] = outcome.cap_method
     result["caps"] = caps

@@ -141,36 +141,12 @@ def cluster_configs():
 
 
 def run_launch(name, plan, caps, workdir, timeout, cap_after, tiny):
-    """Runs this file in worker mode on len(caps) workers; returns the chief's result."""
-    plan = dict(plan)
-    plan_path = os.path.join(workdir, f"{name}_plan.json")
-    result_path = os.path.join(workdir, f"{name}_result.json")
-    if os.path.exists(result_path):
-        os.remove(result_path)
-    schedule = None
-    if not tiny:
-        schedule = f"{cap_after:g}:" + ",".join(f"{i}={c:.4g}" for i, c in enumerate(caps))
-        plan["start_at"] = cap_after + 1.0
-    plan["t0"] = time.time()
-    with open(plan_path, "w") as f:
-        json.dump(plan, f)
-    stream = bc.Captured(echo=True)
-    started = time.perf_counter()
-    outcome = bc.launch([os.path.abspath(__file__), "--plan", plan_path, "--result",
-                         result_path], len(caps), schedule=schedule, threads=1,
-                        timeout=timeout, stdout=stream, stderr=stream, handle_signals=True)
-    if not outcome.ok or not os.path.exists(result_path):
-        tail = [line for line in stream.lines if not any(n in line for n in bc.NOISE)][-40:]
-        sys.stdout.write("\n".join(tail) + "\n")
-        if not os.path.exists(result_path):
-            raise SystemExit(f"{name}: the run failed: {outcome.message}")
-        print(f"    note: {name} ended with {outcome.message} after writing its result "
-              "(the stock attempts come last)", flush=True)
-    with open(result_path) as f:
-        result = json.load(f)
-    result["launch_message"] = outcome.message
-    result.update(wall_seconds=time.perf_counter() - started, cap_method=outcome.cap_method,
-                  caps=None if tiny else caps, cap_at_s=None if tiny else cap_after)
+    """Runs this file in worker mode on len(caps) workers; returns the chief's result (also
+    after a failure at the end: the stock attempts come last)."""
+    result = bc.run_cluster(plan, [None] * len(caps) if tiny else caps, workdir, name, timeout,
+                            cap_after=None if tiny else cap_after,
+                            worker=os.path.abspath(__file__), accept_failure_with_result=True)
+    result.update(caps=None if tiny else caps, cap_at_s=None if tiny else cap_after)
     return result
 
 
