@@ -30,7 +30,7 @@ REACH = {
     ("cpu+gpu", 3): 14, ("cpu+gpu", 16): 6,
     ("quota", 2): 14, ("quota", 3): 14,
     ("interference", 3): 6, ("interference", 16): 6,
-    ("noise", 3): 50, ("noise", 16): 25,
+    ("noise", 3): 50, ("noise", 16): 30,
 }
 
 

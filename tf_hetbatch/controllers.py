@@ -13,15 +13,20 @@ One mechanism (BUILD_NOTES.md, "The batch-size controller"), in four parts:
    model, else from the other replicas' (same model up to speed), else 0: the proportional
    rule. `ProportionalController` is the alpha = 0 case throughout: the source paper's rule.
 2. One change detector on standardised residuals, shared by everything that reacts to change
-   (the time models and the step-time search): a window off its level (the windows at the
-   same split) by more than the bound is held back (an outlier); the second in a row on the
-   same side is a change, whose two windows then replace that replica's data (its last
-   identified alpha / beta stands in: a change of speed). Bounds hold with probability
-   `false_move_rate` on noise alone (Student-t on the pooled noise, Bonferroni).
+   (the time models and the step-time search): a window off its level (the replica's windows
+   at the same size; in a race, at the same arm) by more than the bound is held back (an
+   outlier); the second in a row on the same side is a change, whose confirming window then
+   replaces that replica's data (its last identified alpha / beta stands in: a change of
+   speed). A change of the step time makes any replica off its level at once a change. The
+   noise is the windows' relative spread around their levels, pooled over the replicas and
+   the levels they left (not those ending in a change), so it survives moves. Bounds hold
+   with probability `false_move_rate` on noise alone (Student-t, Bonferroni).
 3. The equal-finish split of the models (exact water-filling, rounded to the smallest
    slowest finish), moved to only when the saving it surely brings (its lower confidence
    bound) over `horizon` windows, less the window a switch leaves unmeasured, pays for what
-   a switch costs (`dead_band`, 0 by default). So no move on noise.
+   a switch costs (`dead_band`, 0 by default). So no move on noise. A saving that would pay
+   and that the bound could still prove once the models' memory fills is waited for at the
+   split in force (no search meanwhile: moving sizes would blur the models).
 4. For what compute times miss (a CPU quota spent in periods, a collective that waits for a
    throttled process): successive elimination on the measured step time over candidate
    splits around the held one, each assuming d steps of unseen work on every replica (its
@@ -67,11 +72,11 @@ SWITCH_WINDOWS = 1
 _ROUNDING = math.sqrt(np.finfo(np.float64).eps)
 
 _SUMS = ("s0", "sb", "sbb", "st", "sbt", "stt")
-_HELD = tuple("h" + k for k in _SUMS)
 # The level: forgotten sums of the windows at the replica's current size (count, time,
-# time squared) and that size; the detector's reference.
-_LEVEL = ("level_n", "level_t", "level_tt", "level_size")
-_STATS = _SUMS + _HELD + _LEVEL + ("held_sign", "shape", "shape_known")
+# time squared) and that size, the detector's reference; and the forgotten relative squared
+# deviations (and their dof) of the levels it left, so the noise survives a move.
+_LEVEL = ("level_n", "level_t", "level_tt", "level_size", "past_ss", "past_dof")
+_STATS = _SUMS + _LEVEL + ("held_sign", "shape", "shape_known")
 
 
 # ---------------------------------------------------------------------------- config ------
@@ -107,8 +112,9 @@ class ControllerConfig:
             surely save more per step. Default 0 (nothing beyond the statistics); the source
             paper used 0.05.
         step_time_search: search on the measured step time when `update` gets it. Default True.
-        search_step: [exponent] spacing of the search's candidates b_k ~ b_k ** ((1 + s) ** d)
-            (more to the larger batches for d > 0). Default 0.15.
+        search_step: [fraction of B / K] spacing of the search's candidates: candidate d
+            assumes d * search_step * B / K samples' worth of unseen work on every replica
+            (d > 0 moves samples to the fast replicas). Default 0.1.
     """
 
     min_sizes: Bounds = 1
@@ -142,7 +148,7 @@ class ControllerConfig:
         if not isinstance(self.step_time_search, bool):
             raise ValueError(f"`step_time_search` must be True or False. "
                              f"Received: step_time_search={self.step_time_search!r}")
-        _number("search_step", self.search_step, 0.0, 1.0, True, hint=", e.g. 0.15")
+        _number("search_step", self.search_step, 0.0, 1.0, True, hint=", e.g. 0.1")
 
     @property
     def forgetting(self) -> float:
@@ -355,17 +361,25 @@ def _median(values: np.ndarray) -> float:
     return float(part[half] if values.size % 2 else 0.5 * (part[half - 1] + part[half]))
 
 
-def _level_noise(st) -> Tuple[float, float]:
-    """Relative variance of a window's time around its level (pooled over the replicas: the
-    noise, free of any model's misfit) and its degrees of freedom."""
-    n, s1, s2 = st["level_n"], st["level_t"], st["level_tt"]
+def _level_noise(st, arms=None) -> Tuple[float, float]:
+    """Relative variance of a window's time around its level (pooled over the replicas, the
+    levels they left, forgotten, and a race's levels at its arms, `arms`: the noise, free of
+    any model's misfit) and its degrees of freedom."""
+    ss, dof = _level_ss(st["level_n"], st["level_t"], st["level_tt"])
+    ss, dof = float(ss.sum() + st["past_ss"].sum()), float(dof.sum() + st["past_dof"].sum())
+    if arms is not None:
+        arm_ss, arm_dof = _level_ss(*arms)
+        ss, dof = ss + float(arm_ss.sum()), dof + float(arm_dof.sum())
+    return (ss / dof, dof) if dof > 0 else (0.0, 0.0)
+
+
+def _level_ss(n, s1, s2) -> Tuple[np.ndarray, np.ndarray]:
+    """Relative squared deviations of the windows at levels (sums n, s1, s2), their dof."""
     ok = n > 1
-    if not ok.any():
-        return 0.0, 0.0
-    mean = s1[ok] / n[ok]
-    ss = np.maximum(s2[ok] - s1[ok] * mean, 0.0) / (mean * mean)
-    dof = float((n[ok] - 1.0).sum())
-    return float(ss.sum()) / dof, dof
+    safe_n = np.where(ok, n, 1.0)
+    mean = np.where(ok, s1 / safe_n, 1.0)
+    ss = np.where(ok, np.maximum(s2 - s1 * mean, 0.0) / (mean * mean), 0.0)
+    return ss, np.where(ok, n - 1.0, 0.0)
 
 
 def level_fill(total: float, alpha, beta, lo, hi) -> np.ndarray:
@@ -536,13 +550,19 @@ class _Controller:
         times = _measurement("times", times, num)
         searching = cfg.step_time_search and step_time is not None
         step_time = _step_time(step_time) if step_time is not None else None
-        stats, fit, changed, notes = self._learn(state, sizes, times)
         hi = state.max_sizes
         current = state.sizes
         at_split = bool(np.allclose(sizes, current, rtol=_ROUNDING, atol=_ROUNDING))
-        race = self._search(state, stats, hi)
+        race = self._search(state, state.stats, hi)
         if searching and at_split:
             race.observe(step_time)
+        # A change the step time shows: the replicas it came from (during a race no replica
+        # stays at one size for its level to show it) start again from this window.
+        stats, fit, changed, accepted, notes = self._learn(
+            state, sizes, times, race.arm_level() if at_split else None, race.arm_levels(),
+            race.changed)
+        if at_split:
+            race.add_times(times, accepted)
         if changed.any() or race.changed:
             race.restart()
             notes.append("change on " + (f"replica(s) {np.flatnonzero(changed).tolist()}"
@@ -552,7 +572,7 @@ class _Controller:
         if not np.any(stats["s0"] > 0):
             reason = "kept: no valid measurement yet"
         elif out_of_bounds:
-            target, reason = self._decide(state, fit, hi, race, forced=True)
+            target, reason, _ = self._decide(state, fit, hi, race, forced=True)
         elif not at_split:
             reason = "kept: the window straddles a switch"
         elif np.any(stats["held_sign"] != 0):
@@ -561,14 +581,16 @@ class _Controller:
             # The rule still judges, from the split the race would go back to: a sure gain
             # of its own (new data identified a slope, say) ends the race.
             incumbent = race.incumbent_split()
-            target, reason = self._decide(state, fit, hi, race, False, incumbent)
+            target, reason, _ = self._decide(state, fit, hi, race, False, incumbent)
             if np.array_equal(target, incumbent):
                 target, reason = race.step()
         else:
-            target, reason = self._decide(state, fit, hi, race, forced=False)
-            if searching and np.array_equal(target, current) and math.isfinite(
+            target, reason, waiting = self._decide(state, fit, hi, race, forced=False)
+            if searching and not waiting and np.array_equal(target, current) and math.isfinite(
                     t_quantile(1.0 - cfg.false_move_rate, fit.dof)):
-                target, started = race.start(current, fit.alpha, fit.beta)
+                at = np.abs(stats["level_size"] - current) <= _ROUNDING * (1.0 + current)
+                level = tuple(np.where(at, stats[k], 0.0) for k in _LEVEL[:3])
+                target, started = race.start(current, fit.alpha, fit.beta, level)
                 reason = f"{reason}; {started}" if started else reason
         target = np.asarray(target, np.int64)
         moved = not np.array_equal(target, current)
@@ -634,9 +656,11 @@ class _Controller:
                     "checkpoint?): the models start afresh from the saved split.")
         return self._fresh_stats(state.num_replicas)
 
-    def _learn(self, state, sizes, times):
-        """Parts 1 and 2: the detector, then the window into the sums. Returns (stats, the
-        models fitted to them, changed mask, notes)."""
+    def _learn(self, state, sizes, times, arm=None, arms=None, everyone: bool = False):
+        """Parts 1 and 2: the detector, then the window into the sums (`arm`: a race's
+        levels at the arm in force, `Search.arm_level`; `arms`: at all its arms, for the
+        noise; `everyone`: the step time changed).
+        Returns (stats, the models fitted to them, changed mask, accepted mask, notes)."""
         cfg = self.config
         st = self._stats_of(state)
         valid = times > 0
@@ -644,38 +668,49 @@ class _Controller:
         lam = cfg.forgetting
         # The detector compares a window with the replica's level: its windows at the same
         # size. (A time model's prediction at a size not seen, or its misfit of a curve that
-        # is not affine, e.g. a CPU quota's staircase, is no evidence of a change.)
+        # is not affine, e.g. a CPU quota's staircase, is no evidence of a change.) In a
+        # race, whose arms move the sizes, a replica's level there is its windows at the arm.
         same = valid & (st["level_n"] > 0) & (np.abs(sizes - st["level_size"]) <= _ROUNDING * (
             1.0 + np.abs(sizes)))
-        noise, dof = _level_noise(st)
-        n = np.where(same, st["level_n"], 1.0)
-        level = st["level_t"] / n
+        ref, n, s1 = same, st["level_n"], st["level_t"]
+        if arm is not None:
+            at_arm = valid & ~same & (arm[0] > 0)
+            ref, n, s1 = same | at_arm, np.where(at_arm, arm[0], n), np.where(at_arm, arm[1], s1)
+        noise, dof = _level_noise(st, arms)
+        n = np.where(ref, n, 1.0)
+        level = s1 / n
         sd = np.sqrt(noise * level * level * (1.0 + 1.0 / n))
         q = np.full(state.num_replicas, alarm_quantile(cfg.false_move_rate, state.num_replicas,
                                                        dof))
         low = high = level
         outlier = change = np.zeros(state.num_replicas, bool)
-        watched = same & np.isfinite(q)
+        watched = ref & np.isfinite(q)
         if watched.any():
-            _, outlier, change = detect(t, low, high, np.where(watched, sd, 1.0),
+            z, outlier, change = detect(t, low, high, np.where(watched, sd, 1.0),
                                         np.where(watched, q, np.inf), st["held_sign"])
             outlier, change = outlier & watched, change & watched
+            if everyone:  # the step time saw the change already: off the bound is a change
+                off = watched & (np.abs(z) > q)
+                outlier, change = outlier & ~off, change | off
         accept = valid & ~outlier & ~change
         point = {"s0": np.ones_like(t), "sb": sizes, "sbb": sizes * sizes, "st": t,
                  "sbt": sizes * t, "stt": t * t}
+        # A change's data starts from the window that confirmed it: the one held back before
+        # may straddle the change.
         new = dict(st)
-        for k, h in zip(_SUMS, _HELD):
-            new[k] = np.where(accept, lam * st[k] + point[k],
-                              np.where(change, lam * st[h] + point[k], st[k]))
-            new[h] = np.where(outlier, point[k], np.where(valid, 0.0, st[h]))
+        for k in _SUMS:
+            new[k] = np.where(accept, lam * st[k] + point[k], np.where(change, point[k], st[k]))
         new["held_sign"] = np.where(outlier, np.sign(t - np.clip(t, low, high)),
                                     np.where(valid, 0.0, st["held_sign"]))
-        # The level: on at the same size, afresh at a new one, the two windows after a change.
+        # The level: on at the same size, afresh at a new one and after a change.
+        # (A level that ends in a change leaves no noise: its last windows may straddle it.)
+        left = accept & ~same
+        level_ss, level_dof = _level_ss(st["level_n"], st["level_t"], st["level_tt"])
+        new["past_ss"] = lam * st["past_ss"] + np.where(left, level_ss, 0.0)
+        new["past_dof"] = lam * st["past_dof"] + np.where(left, level_dof, 0.0)
         keep = np.where(accept & same, lam, 0.0)
-        for key, value, held in (("level_n", 1.0, "hs0"), ("level_t", t, "hst"),
-                                 ("level_tt", t * t, "hstt")):
-            fresh = np.where(change, lam * st[held], 0.0) + value
-            new[key] = np.where(accept | change, keep * st[key] + fresh, st[key])
+        for key, value in (("level_n", 1.0), ("level_t", t), ("level_tt", t * t)):
+            new[key] = np.where(accept | change, keep * st[key] + value, st[key])
         new["level_size"] = np.where(accept | change, sizes, st["level_size"])
         notes = [f"{int(outlier.sum())} window(s) held back as outliers"] if outlier.any() else []
         after = fit_models(new, self.affine, cfg.false_move_rate)
@@ -684,16 +719,17 @@ class _Controller:
                 shape = np.where(after.identified, after.alpha / after.beta, new["shape"])
             new["shape"] = np.where(np.isfinite(shape), shape, 0.0)
             new["shape_known"] = np.where(after.identified, 1.0, new["shape_known"])
-        return new, after, change, notes
+        return new, after, change, accept, notes
 
     def _decide(self, state, fit: Fit, hi, race, forced: bool, current=None):
         """Part 3: the equal-finish split (with the search's kept tilt) if it pays against
-        `current` (default the split in force). Returns (split, reason)."""
+        `current` (default the split in force). Returns (split, reason, waiting): waiting
+        when a saving that would pay is predicted but not yet sure (no search then)."""
         cfg = self.config
         current = state.sizes if current is None else np.asarray(current, np.int64)
         target = race.tilted(fit.alpha, fit.beta)
         if np.array_equal(target, current):
-            return current, "kept: at the models' split"
+            return current, "kept: at the models' split", False
         gain = predicted_gain(fit, current, target, cfg.false_move_rate)
         # The sure saving over the horizon, less the window the switch leaves unmeasured,
         # against what a switch costs beyond it.
@@ -705,11 +741,20 @@ class _Controller:
         kind = "affine models" if self.affine else "throughput-proportional"
         if forced:
             race.restart(changed=False)
-            return target, f"rebalanced: current split out of bounds ({kind})"
+            return target, f"rebalanced: current split out of bounds ({kind})", False
         if not pays:
-            return current, f"kept: predicted gain {pct:.1f}%, surely {sure:.1f}%"
+            # Waiting: the predicted saving would pay, and its bound, narrowed as the models'
+            # memory fills, could prove it; the split stays put for that data (no search).
+            margin = gain.predicted - gain.sure
+            full = math.sqrt(min(float(np.min(fit.weight)), cfg.memory) / cfg.memory)
+            waiting = gain.predicted > max(margin * full, _ROUNDING * gain.current) and \
+                gain.predicted * (cfg.horizon - SWITCH_WINDOWS) > \
+                cfg.dead_band * gain.current * cfg.horizon
+            return current, f"kept: predicted gain {pct:.1f}%, surely {sure:.1f}%" + (
+                ", waiting for data" if waiting else ""), waiting
         race.restart(changed=False)
-        return target, f"rebalanced: predicted gain {pct:.1f}%, surely {sure:.1f}% ({kind})"
+        return target, f"rebalanced: predicted gain {pct:.1f}%, surely {sure:.1f}% ({kind})", \
+            False
 
 
 class ProportionalController(_Controller):

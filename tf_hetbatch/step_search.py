@@ -28,6 +28,9 @@ value on every worker) and keeps the winner:
 - An arm is not visited at all when its compute alone, as the time models predict it (a
   lower bound of its step time: the step waits for every replica's compute), already takes
   as long as the best step time measured.
+- Each replica's windows at each arm (the arms' levels, the incumbent's seeded with the
+  replica's level there) are what the shared detector compares a replica's window with, so
+  a change of one replica shows during a race too; their spread joins the window noise.
 - The noise of the step time is pooled over the arms and the earlier races since the last
   change (a rule's move keeps it): the bounds' degrees of freedom grow race after race.
 - The race ends with one arm left (at the latest when the horizon is spent): the incumbent
@@ -58,7 +61,11 @@ VISIT_WINDOWS = 2
 _SWITCH_WINDOWS = VISIT_WINDOWS - 1
 IDLE, RACING, HOLDING = "idle", "racing", "holding"
 # Per-replica arrays of a race, kept in `ControllerState.stats` (first axis = replica).
-ARRAYS = ("search_alpha", "search_beta", "search_splits")
+# (The levels: each replica's windows at each arm, count / time / time squared, so the
+# shared detector compares a replica's window with its windows at the same size in a race.)
+ARRAYS = ("search_alpha", "search_beta", "search_splits", "search_level_n", "search_level_t",
+          "search_level_tt")
+_LEVELS = ARRAYS[3:]
 
 
 def plain(value: Any) -> Any:
@@ -124,6 +131,7 @@ class Search:
             self.alpha = np.asarray(arrays["search_alpha"], np.float64)
             self.beta = np.asarray(arrays["search_beta"], np.float64)
             self.splits = np.rint(arrays["search_splits"]).astype(np.int64)
+            self.levels = [np.array(arrays[k], np.float64) for k in _LEVELS]
         elif self.race is not None:  # a race without its arrays: start afresh
             self.phase, self.race = IDLE, None
         self.cfg, self.total, self.solve, self.fill = config, int(total), solve, fill
@@ -143,7 +151,8 @@ class Search:
         if not self.racing:
             return state, {}
         return state, {"search_alpha": self.alpha, "search_beta": self.beta,
-                       "search_splits": self.splits.astype(np.float64)}
+                       "search_splits": self.splits.astype(np.float64),
+                       **dict(zip(_LEVELS, self.levels))}
 
     # ----- splits -----------------------------------------------------------------------
     def _theta(self, num: int) -> float:
@@ -190,6 +199,27 @@ class Search:
         return bool(np.any(np.all(self.splits == split[:, None], axis=0)))
 
     # ----- measurements -----------------------------------------------------------------
+    def arm_level(self):
+        """Each replica's (count, time, time squared) of its windows at the arm in force, or
+        None outside a race."""
+        if not self.racing or self.race["at"] < 0:
+            return None
+        return tuple(level[:, self.race["at"]] for level in self.levels)
+
+    def arm_levels(self):
+        """(count, time, time squared) of every replica's windows at every arm (arrays K x
+        arms), or None outside a race."""
+        return tuple(self.levels) if self.racing else None
+
+    def add_times(self, times, accepted) -> None:
+        """A window's per-replica times at the arm in force (those `accepted` by the
+        detector) into that arm's levels."""
+        if self.arm_level() is None:
+            return
+        j, accepted = self.race["at"], np.asarray(accepted, bool)
+        for level, value in zip(self.levels, (1.0, times, np.square(times))):
+            level[:, j] += np.where(accepted, value, 0.0)
+
     def observe(self, step_time: float) -> None:
         """One window's mean step time, measured at the split in force."""
         y = math.log(step_time)
@@ -241,9 +271,10 @@ class Search:
             self.race["spent"] += _SWITCH_WINDOWS
         self.base = None
 
-    def start(self, current, alpha, beta):
+    def start(self, current, alpha, beta, level=None):
         """The rule holds `current` on its models `alpha`, `beta`: starts a race around it
-        if there is one to run. Returns (split, reason)."""
+        if there is one to run (`level`: each replica's (count, time, time squared) of its
+        windows at `current`, the incumbent's levels). Returns (split, reason)."""
         if self.phase != IDLE:
             return current, ""
         current = np.asarray(current, np.int64)
@@ -272,7 +303,11 @@ class Search:
         order = np.argsort(self.race["arms"], kind="stable")
         arms = [self.race["arms"][i] for i in order]
         self.splits = self.splits[:, order]
+        self.levels = [np.zeros(self.splits.shape) for _ in _LEVELS]
         inc = arms.index(self.tilt)
+        if level is not None:
+            for mine, theirs in zip(self.levels, level):
+                mine[:, inc] = theirs
         self.race = {"incumbent": self.tilt, "arms": arms,
                      "n": [base["n"] if i == inc else 0 for i in range(len(arms))],
                      "s1": [base["s1"] if i == inc else 0.0 for i in range(len(arms))],
@@ -382,6 +417,8 @@ class Search:
             if not self._worth(split, math.exp(race["s1"][b] / race["n"][b])):
                 continue
             self.splits = np.concatenate([self.splits, split[:, None]], axis=1)
+            self.levels = [np.concatenate([level, np.zeros((level.shape[0], 1))], axis=1)
+                           for level in self.levels]
             for key, value in (("arms", outer), ("n", 0), ("s1", 0.0), ("s2", 0.0),
                                ("alive", True)):
                 race[key].append(value)
