@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from tf_hetbatch.split import (round_preserving_sum, split_evenly, split_proportionally,
-                               validate_sizes, water_fill)
+from tf_hetbatch.split import (equal_finish_level, round_preserving_sum, split_evenly,
+                               split_proportionally, validate_sizes, water_fill)
 
 
 def _random_cases(n=300):
@@ -63,6 +63,23 @@ def test_bounded_split_holds_sum_and_bounds_and_is_proportional_among_free_repli
             at_lo = (x <= lo + 1e-9) & (hi > lo) & (caps > 0)
             assert np.all(level[0] * caps[at_hi] >= hi[at_hi] - 1e-6)
             assert np.all(level[0] * caps[at_lo] <= lo[at_lo] + 1e-6)
+
+
+def test_equal_finish_level_is_the_finish_time_of_every_replica_with_a_share():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        k = int(rng.integers(1, 12))
+        total = float(rng.integers(1, 2000))
+        alpha = rng.uniform(0, 0.05, k) * (rng.uniform(size=k) < 0.7)
+        rates = rng.uniform(10, 10_000, k)
+        level, x = equal_finish_level(total, alpha, rates)
+        assert x.sum() == pytest.approx(total) and np.all(x >= 0)
+        share = x > 1e-9
+        np.testing.assert_allclose(alpha[share] + x[share] / rates[share], level, rtol=1e-9)
+        assert np.all(alpha[~share] >= level - 1e-12)  # would finish later even with none
+    # No fixed cost: the level is B / sum(rates), the proportional split's time.
+    level, x = equal_finish_level(90.0, np.zeros(3), [10.0, 20.0, 0.0])
+    assert level == pytest.approx(3.0) and x.tolist() == pytest.approx([30.0, 60.0, 0.0])
 
 
 def test_scalar_bounds_apply_to_every_replica():

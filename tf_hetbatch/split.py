@@ -10,11 +10,13 @@ No TensorFlow import here (tested by `tests/test_pure_core_imports.py`).
 from __future__ import annotations
 
 import logging
-import numbers
+import math
 from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 from numpy.typing import ArrayLike
+
+from tf_hetbatch._validate import check_int, format_value
 
 logger = logging.getLogger(__name__)
 
@@ -26,23 +28,14 @@ __all__ = [
     "validate_sizes",
     "resolve_bounds",
     "water_fill",
+    "equal_finish_level",
     "round_preserving_sum",
 ]
 
 
-def _fmt(value) -> str:
-    """Short printable form of a value for error messages."""
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    text = repr(value)
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
-def _check_count(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}. "
-                         f"Received: {name}={_fmt(value)}")
-    return int(value)
+# The shared checks, under the names the core's modules use.
+_fmt = format_value
+_check_count = check_int
 
 
 def split_evenly(total: int, parts: int) -> Tuple[int, ...]:
@@ -170,6 +163,47 @@ def water_fill(total: float, offsets: np.ndarray, slopes: np.ndarray, lo: np.nda
         Entries with zero slope sit at `clip(offset, lo, hi)`; if the entries with positive
         slope cannot absorb `total`, the rest goes to zero-slope entries evenly.
     """
+    return _water_level(total, offsets, slopes, lo, hi)[0]
+
+
+def equal_finish_level(total: float, alpha: ArrayLike, rates: ArrayLike,
+                       lo: Optional[ArrayLike] = None,
+                       hi: Optional[ArrayLike] = None) -> Tuple[float, np.ndarray]:
+    """The real-valued equal-finish split: the level T every replica's share finishes at.
+
+    Replica k, given x_k samples, finishes at `alpha_k + x_k / rates_k`. The split is
+    `x_k = clip((T - alpha_k) * rates_k, lo_k, hi_k)` with `sum(x) == total` (water-filling,
+    `water_fill`): every replica strictly inside its bounds finishes at T; one at `lo` would
+    finish later than T even with less (its alpha is above T), one at `hi` sooner. A replica
+    of rate 0 gets `lo`. Arguments are assumed valid: `rates >= 0`, `lo <= hi`,
+    `sum(lo) <= total <= sum(hi)`.
+
+    Args:
+        total: samples to split, e.g. the global batch size.
+        alpha: float array [K], each replica's time for no samples (seconds).
+        rates: float array [K], each replica's samples per second beyond alpha (1 / beta_k).
+        lo, hi: float arrays [K] of bounds; default 0 and none.
+
+    Returns:
+        `(T, x)`: the level (seconds; NaN when no rate is positive) and the float64 split.
+
+    Example:
+        >>> level, x = equal_finish_level(12.0, [0.0, 1.0], [2.0, 2.0])
+        >>> float(level), x.tolist()
+        (3.5, [7.0, 5.0])
+    """
+    rates = np.asarray(rates, np.float64)
+    alpha = np.asarray(alpha, np.float64)
+    lo = np.zeros_like(rates) if lo is None else lo
+    # No share reaches total + 1: above 0, some share is strictly inside its bounds, so the
+    # level is unique (a share capped at `total` would leave a range of levels).
+    hi = np.full_like(rates, float(total) + 1.0) if hi is None else hi
+    x, level = _water_level(total, -alpha * rates, rates, lo, hi)
+    return level, x
+
+
+def _water_level(total, offsets, slopes, lo, hi) -> Tuple[np.ndarray, float]:
+    """`water_fill`'s allocation and its level lam (NaN when no positive slope sets one)."""
     offsets = np.asarray(offsets, np.float64)
     slopes = np.asarray(slopes, np.float64)
     lo = np.asarray(lo, np.float64)
@@ -184,7 +218,7 @@ def water_fill(total: float, offsets: np.ndarray, slopes: np.ndarray, lo: np.nda
         if rest.any():
             x[rest] = water_fill(total - x[active].sum(), np.zeros(rest.sum()),
                                  np.ones(rest.sum()), lo[rest], hi[rest])
-        return x
+        return x, math.nan
     a, w, l, h = offsets[active], slopes[active], lo[active], hi[active]
     need = total - fixed[~active].sum()
     start = (l - a) / w            # below: entry sits at lo
@@ -204,7 +238,7 @@ def water_fill(total: float, offsets: np.ndarray, slopes: np.ndarray, lo: np.nda
         s = slope_after[j - 1]
         lam = points[j - 1] + ((need - value[j - 1]) / s if s > 0 else 0.0)
     x[active] = np.clip(a + w * lam, l, h)
-    return x
+    return x, float(lam)
 
 
 def round_preserving_sum(x: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarray,

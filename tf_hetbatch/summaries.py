@@ -40,6 +40,8 @@ import os
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from tf_hetbatch import split as _split
+
 logger = logging.getLogger(__name__)
 
 SUBDIR = "hetbatch"
@@ -172,20 +174,23 @@ class BalanceWindow:
     def balanced_step_time(self) -> Optional[float]:
         """Step time if the split were proportional to the measured throughputs.
 
-        With throughputs X_k = b_k / t_k unchanged, the balanced compute time is
-        B / sum(X_k); the measured non-compute part of the step, step_time - max(t_k)
-        (all-reduce, input, overhead), is added unchanged.
+        With throughputs X_k = b_k / t_k unchanged, the balanced compute time is the level
+        of the equal-finish split of B (`split.equal_finish_level`), B / sum(X_k); the
+        measured non-compute part of the step, step_time - max(t_k) (all-reduce, input,
+        overhead), is added unchanged.
 
         Returns:
           Seconds per step, or None when a replica with samples was not measured.
         """
         if not all(self.measured):
             return None
-        total_throughput = sum(self.throughputs)
-        if total_throughput <= 0:
+        throughputs = self.throughputs
+        if sum(throughputs) <= 0:
             return self.step_time
         overhead = max(0.0, self.step_time - max(self.compute_times))
-        return self.global_batch / total_throughput + overhead
+        level, _ = _split.equal_finish_level(self.global_batch, [0.0] * len(throughputs),
+                                             throughputs)
+        return level + overhead
 
 
 @dataclasses.dataclass(frozen=True)

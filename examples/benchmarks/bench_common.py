@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tf_hetbatch import split  # noqa: E402  (pure Python + numpy)
 from tf_hetbatch.launch import launch  # noqa: E402  (pure Python: no TensorFlow)
 
 WORKER = os.path.join(HERE, "hetero_worker.py")
@@ -250,15 +251,9 @@ def fit_time_models(phases, k):
 
 
 def equal_finish(alpha, beta, total):
-    """Real-valued split with equal alpha_k + beta_k b_k (replicas that would go < 0 get 0)."""
-    active = np.ones(len(alpha), bool)
-    while True:
-        inv = 1.0 / beta[active]
-        t = (total + np.sum(alpha[active] * inv)) / np.sum(inv)
-        b = np.where(active, (t - alpha) / beta, 0.0)
-        if np.all(b >= -1e-9):
-            return t, b
-        active &= b > 0
+    """Real-valued split with equal alpha_k + beta_k b_k (replicas that would go < 0 get 0):
+    (the finish time, the split), by `tf_hetbatch.split.equal_finish_level`."""
+    return split.equal_finish_level(float(total), alpha, 1.0 / np.asarray(beta, np.float64))
 
 
 def ideal_step(phases, k, batch):

@@ -42,6 +42,7 @@ import threading
 import time
 from typing import IO, List, Mapping, Optional, Sequence, Tuple, Union
 
+from tf_hetbatch._validate import check_int
 from tf_hetbatch.launch import cluster
 from tf_hetbatch.launch.cpu_caps import CAP_METHODS, make_caps
 from tf_hetbatch.launch.schedule import (Cap, CapChange, Preemption, parse_cpus,
@@ -108,13 +109,6 @@ class LaunchResult:
     def tasks(self) -> Tuple[WorkerExit, ...]:
         """All tasks of the last attempt: chief, ps, then workers."""
         return ((self.chief,) if self.chief else ()) + self.ps + self.workers
-
-
-def _check_int(value, name: str, minimum: int, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}. "
-                         f"Fix: {fix}")
-    return value
 
 
 def _check_seconds(value, name: str) -> Optional[float]:
@@ -199,18 +193,18 @@ def launch(script_argv: Sequence[str], num_workers: int,
         ValueError: bad argument (the message names the value and the fix).
         RuntimeError: ``cap_method="cgroup"`` but no writable cgroup hierarchy.
     """
-    num_workers = _check_int(num_workers, "num_workers", 1, "pass e.g. num_workers=2.")
-    num_ps = _check_int(num_ps, "num_ps", 0, "pass 0 for a worker-only "
-                        "(MultiWorkerMirroredStrategy) cluster, or e.g. num_ps=1 for a "
-                        "chief + parameter server + workers (ParameterServerStrategy).")
+    num_workers = check_int("num_workers", num_workers, 1, "pass e.g. num_workers=2.")
+    num_ps = check_int("num_ps", num_ps, 0, "pass 0 for a worker-only "
+                       "(MultiWorkerMirroredStrategy) cluster, or e.g. num_ps=1 for a "
+                       "chief + parameter server + workers (ParameterServerStrategy).")
     command = cluster.resolve_command(script_argv, python)
     caps_list = validate_cpus(cpus, num_workers) or [None] * num_workers
     changes = validate_schedule(schedule, num_workers)
     preemptions = validate_preemptions(preempt, num_workers, num_ps)
     servers = _server_command(server_command, num_ps, python)
-    max_restarts = _check_int(max_restarts, "max_restarts", 0, "pass 0 for no restarts.")
+    max_restarts = check_int("max_restarts", max_restarts, 0, "pass 0 for no restarts.")
     if threads is not None:
-        _check_int(threads, "threads", 1, "pass e.g. threads=1, or None for TF's default.")
+        check_int("threads", threads, 1, "pass e.g. threads=1, or None for TF's default.")
     timeout = _check_seconds(timeout, "timeout")
     grace = _check_seconds(grace, "grace")
     if cap_method not in CAP_METHODS:
