@@ -86,7 +86,7 @@ class CyclingController:
         total = int(sum(sizes))
         return ControllerState(total, list(sizes), [0] * len(sizes), [total] * len(sizes))
 
-    def update(self, state, sizes, times):
+    def update(self, state, sizes, times, step_time=None):
         new = self.splits[state.updates % len(self.splits)]
         return new, state.replace(sizes=list(new), updates=state.updates + 1,
                                   reason=f"cycle step {state.updates}")
@@ -187,7 +187,7 @@ class StepTimeRecorder(CyclingController):
 
     def update(self, state, sizes, times, step_time=None):
         self.step_times.append(step_time)
-        return super().update(state, sizes, times)
+        return super().update(state, sizes, times, step_time=step_time)
 
 
 def test_each_windows_step_time_reaches_a_controller_that_takes_it(cpus):

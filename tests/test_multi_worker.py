@@ -68,15 +68,15 @@ def test_two_workers_exact_with_a_switch_at_the_same_step(tmp_path):
     # Every sample used exactly once per epoch (2 epochs), whatever the split and its change.
     ids = np.concatenate([w["ids"] for w, _ in outputs])
     np.testing.assert_array_equal(np.bincount(ids, minlength=320), np.full(320, 2))
-    # The switch landed at the same step on both workers: step 4 + SWITCH_MARGIN.
-    from tf_hetbatch.multi_worker import SWITCH_MARGIN
+    # The switch landed at the same step on both workers: step 4 + DEFAULT_SWITCH_MARGIN.
+    from tf_hetbatch.multi_worker import DEFAULT_SWITCH_MARGIN
 
     samples = [info["samples"] for _, info in outputs]
     assert samples[0] == samples[1]
     # A value per worker gathered in the same collective as the times, in replica order.
     for _, info in outputs:
         assert info["extra"] == [[0.5, 1.5]] * len(samples[0])
-    switch = 4 + SWITCH_MARGIN
+    switch = 4 + DEFAULT_SWITCH_MARGIN
     assert all(s == [5.0, 27.0] for s in samples[0][:switch])
     assert all(s == [20.0, 12.0] for s in samples[0][switch:])
     assert [info["chief"] for _, info in outputs] == [True, False]
@@ -123,11 +123,11 @@ def test_switch_right_after_a_validation_pass(tmp_path):
     )
     ref = reference_weights()
     assert_every_worker_equals(ref, outputs)
-    from tf_hetbatch.multi_worker import SWITCH_MARGIN
+    from tf_hetbatch.multi_worker import DEFAULT_SWITCH_MARGIN
 
     samples = [info["samples"] for _, info in outputs]
     assert samples[0] == samples[1]
-    switch = 11 + SWITCH_MARGIN
+    switch = 11 + DEFAULT_SWITCH_MARGIN
     assert all(s == [16.0, 16.0] for s in samples[0][:switch])
     assert all(s == [6.0, 26.0] for s in samples[0][switch:])
 
@@ -225,7 +225,7 @@ def test_an_unrecognised_pipeline_runs_unsplit_says_why_and_stays_exact(tmp_path
 
 def test_steps_per_execution_with_a_switch_and_input_after_the_split(tmp_path):
     # 4 steps per execution: the switch asked for at the 2nd call (step 8) lands at step
-    # 8 + SWITCH_MARGIN on both workers, mid-execution, and training stays exact.
+    # 8 + DEFAULT_SWITCH_MARGIN on both workers, mid-execution, and training stays exact.
     n = 330
     outputs = run_cluster(tmp_path, 2, "--n", str(n), "--sizes", "5,27", "--switch-step", "2",
                           "--switch-sizes", "20,12", "--pipeline", "per-sample-map",

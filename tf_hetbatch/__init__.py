@@ -22,6 +22,11 @@ _PUBLIC = {
     "ReplicaTimes": "tf_hetbatch.timing",
     "Staleness": "tf_hetbatch.parameter_server",
     "split_here": "tf_hetbatch.input_work",
+    # Protocols the strategies and controllers implement (no TensorFlow import).
+    "SplitStrategy": "tf_hetbatch.protocols",
+    "SynchronousSplitStrategy": "tf_hetbatch.protocols",
+    "AsynchronousSplitStrategy": "tf_hetbatch.protocols",
+    "Controller": "tf_hetbatch.protocols",
     # Keras callbacks.
     "DynamicBatching": "tf_hetbatch.callback",
     "ResumableCheckpoint": "tf_hetbatch.recovery",
@@ -55,6 +60,10 @@ __all__ = [
     "ReplicaTimes",
     "Staleness",
     "split_here",
+    "SplitStrategy",
+    "SynchronousSplitStrategy",
+    "AsynchronousSplitStrategy",
+    "Controller",
     "DynamicBatching",
     "ResumableCheckpoint",
     "RESTART_EXIT_CODE",

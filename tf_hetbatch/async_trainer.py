@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_hetbatch import _compat
+from tf_hetbatch._validate import check_int
 from tf_hetbatch import run_checkpoint as _run
 from tf_hetbatch.parameter_server import HeteroParameterServerStrategy, Staleness
 from tf_hetbatch.preemption import RESTART_EXIT_CODE, PreemptionNotice
@@ -103,9 +104,11 @@ class AsyncTrainer:
                 f"Received: strategy {type(strategy).__name__}. Fix: create the model inside "
                 "`with hb.HeteroParameterServerStrategy().scope():` on the chief.")
         if checkpoint_interval is not None:
-            _check_int("checkpoint_interval", checkpoint_interval, 1)
+            check_int("checkpoint_interval", checkpoint_interval, 1,
+                      "e.g. checkpoint_interval=500, or None for epoch ends only.")
         if max_outstanding is not None:
-            _check_int("max_outstanding", max_outstanding, 1)
+            check_int("max_outstanding", max_outstanding, 1,
+                      "e.g. 2 per worker (the default, None).")
         self.model = model
         self.strategy = strategy
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
@@ -189,14 +192,15 @@ class AsyncTrainer:
             ValueError: bad arguments, or a dataset of batches instead of examples.
             ParameterServerLostError: a parameter server was lost (resume from the checkpoint).
         """
-        _check_int("batch_size", batch_size, 1)
-        _check_int("epochs", epochs, 1)
-        _check_int("initial_epoch", initial_epoch, 0)
+        check_int("batch_size", batch_size, 1, "e.g. batch_size=32.")
+        check_int("epochs", epochs, 1, "e.g. epochs=10.")
+        check_int("initial_epoch", initial_epoch, 0, "e.g. initial_epoch=0.")
         if steps_per_epoch is None:
             raise ValueError("`steps_per_epoch` is required: asynchronous workers read "
                              "endless streams, so an epoch is a number of updates. Fix: pass "
                              "e.g. steps_per_epoch=len(train_examples) // batch_size.")
-        _check_int("steps_per_epoch", steps_per_epoch, 1)
+        check_int("steps_per_epoch", steps_per_epoch, 1,
+                  "e.g. steps_per_epoch=len(train_examples) // batch_size.")
         if not callable(dataset_fn):
             raise ValueError("`dataset_fn` must be a function input_context -> tf.data.Dataset "
                              f"of examples. Received: dataset_fn={dataset_fn!r}")
@@ -206,9 +210,10 @@ class AsyncTrainer:
                              f"{type(validation_data).__name__}. Fix: tf.data.Dataset."
                              "from_tensor_slices((x, y)).batch(256).")
         if validation_steps is not None:
-            _check_int("validation_steps", validation_steps, 1)
+            check_int("validation_steps", validation_steps, 1,
+                      "e.g. validation_steps=10, or None for all.")
         verbose = 1 if verbose == "auto" else verbose
-        self.strategy._set_total(batch_size * self.strategy.num_workers)
+        self.strategy.set_global_batch_size(batch_size * self.strategy.num_workers)
         iterator = self._per_worker_iterator(dataset_fn)
         step_fn = self._make_train_step(float(batch_size))
         callback_list = keras.callbacks.CallbackList(
@@ -255,7 +260,7 @@ class AsyncTrainer:
         for batch in range(first, steps):
             callback_list.on_train_batch_begin(batch)
             pending.append(self.coordinator.schedule(
-                step_fn, args=(iterator, self.strategy._sizes_tensor())))
+                step_fn, args=(iterator, self.strategy.batch_sizes_tensor())))
             self._global_step += 1
             pending = _wait_outstanding(pending, self.max_outstanding)
             if time.monotonic() - logs_read > _LOG_READ_INTERVAL_S:
@@ -288,7 +293,7 @@ class AsyncTrainer:
         return {m.name: float(m.result()) for m in [self.loss_tracker, *self.metrics]}
 
     def _staleness_total(self) -> Staleness:
-        return self.strategy._cumulative_staleness()
+        return self.strategy.staleness_totals()
 
     # ------------------------------------------------------------------ evaluate ----------
     def evaluate(self, data, steps: Optional[int] = None, verbose="auto",
@@ -309,7 +314,7 @@ class AsyncTrainer:
                              f"{type(data).__name__}. Fix: tf.data.Dataset.from_tensor_slices("
                              "(x, y)).batch(256).")
         if steps is not None:
-            _check_int("steps", steps, 1)
+            check_int("steps", steps, 1, "e.g. steps=10, or None for all batches.")
             data = data.take(steps)
         metrics = [self._val_loss, *self._val_metrics]
         for metric in metrics:
@@ -369,13 +374,13 @@ class AsyncTrainer:
                     objective += tf.add_n(model.losses)
             grads = tape.gradient(objective, model.trainable_variables)
             with tf.control_dependencies(grads):
-                before = strategy._read_updates()
+                before = strategy.read_update_count()
             with tf.control_dependencies([before]):
                 optimizer.apply(grads, model.trainable_variables)
             # Keras increments `iterations` last in `apply`: reading it orders what follows.
             with tf.control_dependencies([tf.identity(optimizer.iterations.value)]):
                 seconds = tf.timestamp() - started
-                record = strategy._record_step(worker, size, seconds, before - read_at)
+                record = strategy.record_update(worker, size, seconds, before - read_at)
             updates = _add_metric_update(self.loss_tracker, loss,
                                          sample_weight=tf.cast(size, tf.float32))
             for metric in self.metrics:
@@ -399,7 +404,7 @@ class AsyncTrainer:
             _, arrays = tf.while_loop(lambda j, _: j < count, body, (tf.constant(1), arrays))
             batch = tf.nest.pack_sequence_as(structure, [a.stack() for a in arrays])
             with tf.control_dependencies(tf.nest.flatten(batch)):
-                read_at = strategy._read_updates()
+                read_at = strategy.read_update_count()
             return strategy.run(replica_step, args=(batch, worker, read_at, started))
 
         return train_step
@@ -577,6 +582,3 @@ def _resolve_metric(metric, loss):
     return keras.metrics.Accuracy(name="accuracy")
 
 
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}. Received: {name}={value!r}.")

@@ -15,7 +15,6 @@ cluster-wide log lines are chief-only.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import numbers
 import os
@@ -24,10 +23,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from tf_hetbatch import controllers as _controllers
-from tf_hetbatch import devices as _devices
 from tf_hetbatch import split as _split
 from tf_hetbatch.strategy import StepCounter, hetero_strategy_of
 
@@ -66,11 +63,12 @@ class DynamicBatching(keras.callbacks.Callback):
        go to `controller.update`, and a changed split is applied. A change reaches the
        replicas 2 to 4 steps later (the input pipeline prefetches), so the first window after
        a change is used only if every replica's samples/step equals the new split.
-       Synchronous training also passes the window's mean step time (the slowest worker's,
-       one small collective) to a controller whose `update` takes `step_time=`: the
-       built-in ones then refine the split their model settled on by trying neighbouring
-       splits and keeping a measurably faster one (`step_time_search`), since compute times
-       alone miss costs such as a CPU quota spent in periods or a collective's wait.
+       `update` also gets `step_time=`: in synchronous training the window's mean step
+       time (the slowest worker's, gathered with the times in one collective), else None.
+       The built-in controllers then refine the split their model settled on by trying
+       neighbouring splits and keeping a measurably faster one (`step_time_search`), since
+       compute times alone miss costs such as a CPU quota spent in periods or a
+       collective's wait.
 
     The same measurements always give the same split (controllers are pure functions of their
     state and inputs), so runs are reproducible up to timing noise.
@@ -88,9 +86,10 @@ class DynamicBatching(keras.callbacks.Callback):
             proportional to the measured throughputs. `"uniform"`: the even split. Or a list
             of K ints summing to B.
         controller: `"model"` (default, `ModelBasedController`), `"proportional"`
-            (`ProportionalController`), or a controller object with `init(sizes)` and
-            `update(state, sizes, times) -> (sizes, state)` (it keeps its own bounds; it
-            gets `step_time=` too if its `update` takes it).
+            (`ProportionalController`), or an object implementing
+            `tf_hetbatch.protocols.Controller`: `init(sizes)` and
+            `update(state, sizes, times, step_time=None) -> (sizes, state)` (it keeps its
+            own bounds).
         min_sizes: smallest batch per replica, int or one int per replica. Default 1.
         max_sizes: largest batch per replica, int, one int per replica, or None (B).
         warmup_steps: steps at the start of every `fit` left unmeasured (tracing). Default 5.
@@ -317,7 +316,7 @@ class DynamicBatching(keras.callbacks.Callback):
         self._measuring = False
         # Asynchronous training: a worker's first updates of a fit include its tracing and
         # input start-up; measuring starts once every worker finished two (`_workers_warm`).
-        self._warm_base = strategy.read_totals() if hasattr(strategy, "read_totals") else None
+        self._warm_base = strategy.read_totals() if strategy.asynchronous else None
         self._change_step = None  # the step of the last change of split, until it shows
         self.windows = []
         if strategy.is_chief and self.log_dir is not None:
@@ -455,7 +454,7 @@ class DynamicBatching(keras.callbacks.Callback):
     def _start_window(self):
         # Drops what the warm-up steps accumulated (a collective: same step on every worker).
         self._strategy.read_replica_times(reset=True)
-        if hasattr(self._strategy, "read_staleness"):
+        if self._strategy.asynchronous:
             self._strategy.read_staleness(reset=True)
         self._measuring = True
         self._window_steps = 0
@@ -466,15 +465,15 @@ class DynamicBatching(keras.callbacks.Callback):
         steps = self._window_steps
         step_time = self._window_wall / steps
         cluster_step_time = None
-        if _takes_step_time(self.controller) and not hasattr(strategy, "read_staleness"):
-            # The controller's step-time search needs the same value on every worker: the
+        if strategy.asynchronous:
+            times = strategy.read_replica_times(reset=True)
+        else:
+            # A controller's step-time search needs the same value on every worker: the
             # slowest worker's mean step, gathered with the times (one collective, at the
             # same step on every worker).
-            local = np.full(len(strategy.extended.worker_devices), step_time)
-            times, walls = strategy._read_replica_times(reset=True, local_extra=local)
+            local = np.full(strategy.num_local_replicas, step_time)
+            times, walls = strategy.read_replica_times_and_gather(local, reset=True)
             cluster_step_time = float(np.max(walls))
-        else:
-            times = strategy.read_replica_times(reset=True)  # a collective, on every worker
         self._window_steps = 0
         self._window_wall = 0.0
         self._num_windows += 1
@@ -506,7 +505,7 @@ class DynamicBatching(keras.callbacks.Callback):
             used = True
             self._control(strategy, sizes, secs, cluster_step_time)
         self._log_window(sizes, secs, step_time, used)
-        if hasattr(strategy, "read_staleness"):  # asynchronous training
+        if strategy.asynchronous:
             self._log_staleness(strategy.read_staleness(reset=True))
 
     def _finish_static(self, strategy, sizes, times):
@@ -527,18 +526,15 @@ class DynamicBatching(keras.callbacks.Callback):
             self._apply_static(strategy, self._static_split(total, num), self._static_reason())
 
     def _control(self, strategy, sizes, secs, step_time):
-        """`step_time`: the cluster's step time for a controller that takes it, else None."""
+        """`step_time`: the cluster's step time (synchronous training), else None."""
         old = self._sizes
-        if step_time is not None:
-            new, state = self.controller.update(self.controller_state, sizes, secs,
-                                                step_time=step_time)
-        else:
-            new, state = self.controller.update(self.controller_state, sizes, secs)
+        new, state = self.controller.update(self.controller_state, sizes, secs,
+                                            step_time=step_time)
         self.controller_state = state
         new = tuple(int(v) for v in new)
         if new != old:
             self._set_sizes(strategy, new)
-            self._record(old, new, str(getattr(state, "reason", "controller update")))
+            self._record(old, new, str(state.reason))
 
     def _set_sizes(self, strategy, sizes):
         in_effect = strategy.batch_sizes  # the even split until sizes were set
@@ -580,45 +576,19 @@ class DynamicBatching(keras.callbacks.Callback):
 
 # ---------------------------------------------------------------------- device capacities -
 def device_capacities(strategy) -> np.ndarray:
-    """Nominal peak FLOP/s of every replica's device, in replica order.
+    """Nominal peak FLOP/s of every part's device, in part order (`strategy.part_capacities`).
 
-    Each local replica device is looked up (CPU: `devices.cpu_capability()`; GPU:
-    `tf.config.experimental.get_device_details` -> `devices.gpu_capability`); logical devices
-    that share one physical device share its peak equally. In multi-worker training this is a
-    collective (`strategy.gather_replica_values`): call it on every worker.
+    Synchronous strategies look up each replica's device (`tf_hetbatch.device_peaks`) and
+    gather them: in multi-worker training a collective, to call on every worker.
+    `HeteroParameterServerStrategy` reads each worker's CPU on the worker.
 
     Args:
         strategy: a tf_hetbatch strategy.
 
     Returns:
-        float64 array [strategy.num_parts] of FLOP/s (per worker under
-        `HeteroParameterServerStrategy`, read on each worker).
+        float64 array [strategy.num_parts] of FLOP/s.
     """
-    if hasattr(strategy, "part_capacities"):  # asynchronous: one part per worker task
-        return np.asarray(strategy.part_capacities(), np.float64)
-    local = [_device_peak(d) for d in strategy.extended.worker_devices]
-    return np.asarray(strategy.gather_replica_values(np.asarray(local, np.float64)), np.float64)
-
-
-def _device_peak(device: str) -> float:
-    spec = tf.DeviceSpec.from_string(device)
-    kind = (spec.device_type or "CPU").upper()
-    index = spec.device_index or 0
-    if kind != "GPU":
-        shared = max(1, len(tf.config.list_logical_devices("CPU")))
-        return _devices.cpu_capability().peak_flops / shared
-    physical = tf.config.list_physical_devices("GPU")
-    logical = max(1, len(tf.config.list_logical_devices("GPU")))
-    if not physical:
-        raise ValueError(f"Replica device {device!r} is a GPU but TensorFlow lists no physical "
-                         "GPU. Fix: use initial='probe' or explicit sizes.")
-    # Virtual GPUs are created in physical order, an equal number on each physical GPU.
-    per = max(1, logical // len(physical))
-    gpu = physical[min(index // per, len(physical) - 1)]
-    details = tf.config.experimental.get_device_details(gpu)
-    capability = _devices.gpu_capability(details.get("device_name", gpu.name),
-                                         details.get("compute_capability"))
-    return capability.peak_flops / per
+    return np.asarray(strategy.part_capacities(), np.float64)
 
 
 # ---------------------------------------------------------------------- validation --------
@@ -743,16 +713,6 @@ def _make_controller(controller, min_sizes, max_sizes):
                 f"{_split._fmt(value)} and a controller with {name}={_split._fmt(own)}. Fix: "
                 f"set the bounds on the controller only, e.g. ModelBasedController({name}=...).")
     return controller
-
-
-def _takes_step_time(controller) -> bool:
-    """Whether `controller.update` accepts `step_time=` (the built-in controllers do)."""
-    try:
-        params = inspect.signature(controller.update).parameters
-    except (TypeError, ValueError):
-        return False
-    return "step_time" in params or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _bounds_arg(value):

@@ -93,7 +93,7 @@ class Allocation:
 
     SLOTS = 8
     NEVER = 2**62
-    TOTALS = 64  # > any prefetch depth (SWITCH_MARGIN assumes < 8 batches ahead)
+    TOTALS = 64  # > any prefetch depth (the default switch margin assumes < 8 batches ahead)
 
     def __init__(self, num_replicas, device="/cpu:0", keyed_by_step=False):
         self.num_replicas = num_replicas
@@ -413,7 +413,7 @@ def split_global_batches(
     # One global batch ahead of training (the moved work too, as the user's prefetch did it
     # before; that prefetch now holds raw batches, before the split's bookkeeping). A fixed
     # buffer bounds how far the bookkeeping runs ahead of training, which a switch's start
-    # must exceed (SWITCH_MARGIN): ending on a synchronous map, the pipeline would get
+    # must exceed (`switch_margin`): ending on a synchronous map, the pipeline would get
     # tf.data's injected prefetch, whose autotuned buffer grows without that bound.
     return slices.prefetch(count)
 

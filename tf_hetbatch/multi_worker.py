@@ -6,18 +6,20 @@ import numpy as np
 import tensorflow as tf
 
 from tf_hetbatch import _compat
+from tf_hetbatch import _validate
 from tf_hetbatch import clean_exit
 from tf_hetbatch import weighting
 from tf_hetbatch.strategy import HeteroMixin, weighting_amount
 
 logger = logging.getLogger(__name__)
 
-# A new split starts this many steps after the current one, so no worker's input pipeline has
-# produced that step's batch yet. The split pipeline's bookkeeping runs at most 3 batches
-# ahead of training: its own fixed one-batch prefetch (`input_split.split_global_batches`),
-# the distributed iterator's one-element buffer, the batch in flight. Checked after every
-# switch.
-SWITCH_MARGIN = 8
+# The default `switch_margin`: a new split starts this many steps after the current one, so
+# no worker's input pipeline has produced that step's batch yet. The split pipeline's
+# bookkeeping runs at most PIPELINE_LEAD_STEPS batches ahead of training: its own fixed
+# one-batch prefetch (`input_split.split_global_batches`), the distributed iterator's
+# one-element buffer, the batch in flight. Checked after every switch.
+DEFAULT_SWITCH_MARGIN = 8
+PIPELINE_LEAD_STEPS = 3
 
 
 class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMirroredStrategy):
@@ -36,10 +38,12 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
     split, on the worker's own samples only (`tf_hetbatch.input_work`). Every gather of this
     strategy also checks that all workers trained the same global batches.
 
-    Collectives: `set_batch_sizes`, `read_replica_times` and `gather_replica_values` talk to
-    all workers, so every worker must call them at the same point (a callback does). A new
-    split takes effect on every worker at the same training step, `SWITCH_MARGIN` steps after
-    the call (at once if no worker has read any data yet).
+    It implements `tf_hetbatch.protocols.SynchronousSplitStrategy`. Collectives:
+    `set_batch_sizes`, `read_replica_times`, `read_replica_times_and_gather`,
+    `gather_replica_values`, `part_capacities` and `check_input_agreement` talk to all
+    workers, so every worker must call them at the same point (a callback does). A new split
+    takes effect on every worker at the same training step, `switch_margin` steps after the
+    call (at once if no worker has read any data yet).
 
     Keras 3 `fit` works without patching Keras: its two multi-worker crashes (a reduce of the
     data batch in its symbolic build, and axis=0 reduces of scalar logs) pass through this
@@ -48,9 +52,22 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
     Args:
         cluster_resolver: as for `tf.distribute.MultiWorkerMirroredStrategy`.
         communication_options: as for `tf.distribute.MultiWorkerMirroredStrategy`.
+        switch_margin: int, training steps from `set_batch_sizes` to the step the new split
+            starts at on every worker. It must exceed how far the input pipeline runs ahead
+            of training (at most 3 global batches: a larger margin is needed only if a
+            switch fails saying so). Default 8 (`DEFAULT_SWITCH_MARGIN`). The same on every
+            worker.
+
+    Raises:
+        ValueError: `switch_margin` is not an integer >= 4.
     """
 
-    def __init__(self, cluster_resolver=None, communication_options=None):
+    def __init__(self, cluster_resolver=None, communication_options=None,
+                 switch_margin: int = DEFAULT_SWITCH_MARGIN):
+        self._switch_margin = _validate.check_int(
+            "switch_margin", switch_margin, PIPELINE_LEAD_STEPS + 1,
+            f"the input pipeline runs up to {PIPELINE_LEAD_STEPS} global batches ahead of "
+            f"training; pass e.g. switch_margin={DEFAULT_SWITCH_MARGIN} (the default).")
         # Every worker creates its strategies in the same order, so the bases agree.
         _compat.assign_collective_key_base(self)
         super().__init__(
@@ -61,16 +78,18 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
         # At exit, the tasks wait for each other, so a successful run ends quietly.
         clean_exit.register_exit_together(self.cluster_resolver)
 
-    # ----------------------------------------------------------------- topology hooks ----------
-    def _num_local_replicas(self):
-        return len(self.extended.worker_devices)
+    @property
+    def switch_margin(self) -> int:
+        """Training steps from `set_batch_sizes` to the step the new split starts at."""
+        return self._switch_margin
 
+    # ----------------------------------------------------------------- topology hooks ----------
     def _worker_index(self):
         resolver = self.cluster_resolver
         return int(resolver.task_id or 0) if resolver is not None else 0
 
     def _replica_range(self):
-        count = self._num_local_replicas()
+        count = self.num_local_replicas
         return (self._worker_index() * count, count)
 
     def _is_chief(self):
@@ -138,12 +157,12 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
         return True
 
     def _switch_lag_steps(self):
-        return SWITCH_MARGIN
+        return self._switch_margin
 
     def _agree_on_seed(self):
         # Worker 0's draw, sent to every worker in one small collective.
         draw = float(np.random.default_rng().integers(2**31 - 1))
-        return int(self._gather_local_rows(np.full(self._num_local_replicas(), draw))[0])
+        return int(self._gather_local_rows(np.full(self.num_local_replicas, draw))[0])
 
     def _time_from_release(self):
         return True  # each worker's own work between steps is its cost (see timing.py)
@@ -155,9 +174,9 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
 
     def _switch_start(self):
         produced = int(self._allocation.produced.numpy())
-        if self._gather_local_rows(np.full(self._num_local_replicas(), produced)).max() == 0:
+        if self._gather_local_rows(np.full(self.num_local_replicas, produced)).max() == 0:
             return 0  # no worker has produced a batch yet: the split applies from the first
-        return int(self._allocation.trained.numpy()) + SWITCH_MARGIN
+        return int(self._allocation.trained.numpy()) + self._switch_margin
 
     def _apply_batch_sizes(self, sizes):
         start = self._switch_start()
@@ -169,7 +188,9 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
                 f"This worker's input pipeline produced the global batch for step {last_key} "
                 f"before the split switching at step {start} was installed, so workers could "
                 "split a batch differently. Its pipeline runs further ahead of training than "
-                f"SWITCH_MARGIN={SWITCH_MARGIN}: raise tf_hetbatch.multi_worker.SWITCH_MARGIN."
+                f"switch_margin={self._switch_margin} steps. Fix: pass a larger margin on every "
+                "worker, e.g. HeteroMultiWorkerMirroredStrategy(switch_margin="
+                f"{2 * self._switch_margin})."
             )
         logger.debug("batch sizes %s from step %d", self._batch_sizes, start)
 

@@ -9,10 +9,11 @@ scaling) keeps every sample's weight the same.
 
 The strategy holds the split and, in variables on the parameter servers, what the training
 steps measure per worker: compute seconds, samples, updates and the staleness of each update.
-It speaks the same protocol as the synchronous strategies (`batch_sizes`, `set_batch_sizes`,
-`read_replica_times`, ...), with workers in place of replicas, so `DynamicBatching` drives it
-unchanged. Training runs through :class:`tf_hetbatch.AsyncTrainer` (Keras 3 `fit` does not
-support ParameterServerStrategy).
+It implements `tf_hetbatch.protocols.AsynchronousSplitStrategy`: the protocol every
+tf_hetbatch strategy speaks (`batch_sizes`, `set_batch_sizes`, `read_replica_times`, ...), with
+workers in place of replicas, so `DynamicBatching` drives it unchanged, plus what the
+asynchronous trainer needs. Training runs through :class:`tf_hetbatch.AsyncTrainer` (Keras 3
+`fit` does not support ParameterServerStrategy).
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from tf_hetbatch import _validate
 from tf_hetbatch import devices as _devices
 from tf_hetbatch import split
 from tf_hetbatch import timing
@@ -103,10 +105,8 @@ class HeteroParameterServerStrategy(tf.distribute.ParameterServerStrategy):
 
     def __init__(self, cluster_resolver=None, variable_partitioner=None,
                  staleness_bins: int = DEFAULT_STALENESS_BINS):
-        if isinstance(staleness_bins, bool) or not isinstance(staleness_bins, int) \
-                or staleness_bins < 2:
-            raise ValueError(f"`staleness_bins` must be an int >= 2. Received: "
-                             f"staleness_bins={staleness_bins!r}. Fix: e.g. 64.")
+        staleness_bins = _validate.check_int("staleness_bins", staleness_bins, 2,
+                                             f"e.g. {DEFAULT_STALENESS_BINS}.")
         if cluster_resolver is None:
             cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         num_workers = len(cluster_resolver.cluster_spec().as_dict().get("worker", []))
@@ -137,6 +137,11 @@ class HeteroParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         self._staleness_read = Staleness(np.zeros([num_workers, staleness_bins], np.int64))
 
     # ----------------------------------------------------------------- the split ---------------
+    @property
+    def asynchronous(self) -> bool:
+        """True: workers update without waiting (`protocols.AsynchronousSplitStrategy`)."""
+        return True
+
     @property
     def num_workers(self) -> int:
         """Number of worker tasks."""
@@ -189,15 +194,38 @@ class HeteroParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         self._batch_sizes = tuple(sizes)
         logger.debug("worker batch sizes set to %s", self._batch_sizes)
 
-    def _set_total(self, total: int) -> None:
-        """Fixes the round's total batch (the trainer does, from `batch_size` x workers)."""
+    def set_global_batch_size(self, total: int) -> None:
+        """Fixes the round's total batch: the sum of the per-worker batch sizes.
+
+        `AsyncTrainer.fit` sets it from `batch_size` x workers. A total other than the one
+        of the split set makes the split even again (logged).
+
+        Args:
+            total: int >= `num_workers` (every worker needs a batch of at least 1).
+
+        Raises:
+            ValueError: `total` is not such an int.
+        """
+        total = _validate.check_int(
+            "global_batch_size", total, self._num_workers,
+            f"give each of the {self._num_workers} workers at least 1 sample, e.g. "
+            f"global_batch_size={32 * self._num_workers}.")
         if self._total is not None and self._batch_sizes is not None and total != self._total:
             logger.info("Batch total changed from %d to %d: back to an even split.",
                         self._total, total)
             self._batch_sizes = None
-        self._total = int(total)
+        self._total = total
 
-    def _sizes_tensor(self) -> tf.Tensor:
+    def batch_sizes_tensor(self) -> tf.Tensor:
+        """The current split as an int32 tensor [num_workers], an argument of scheduled steps.
+
+        Raises:
+            ValueError: no split yet (neither `set_batch_sizes` nor `set_global_batch_size`).
+        """
+        if self.batch_sizes is None:
+            raise ValueError("The strategy has no batch split yet. Fix: call "
+                             "set_global_batch_size(total) or set_batch_sizes(sizes) first "
+                             "(AsyncTrainer.fit does).")
         return tf.constant(self.batch_sizes, tf.int32)
 
     # ----------------------------------------------------------------- measurements ------------
@@ -235,7 +263,9 @@ class HeteroParameterServerStrategy(tf.distribute.ParameterServerStrategy):
             self._staleness_read = now
         return out
 
-    def _cumulative_staleness(self) -> Staleness:
+    def staleness_totals(self) -> Staleness:
+        """Staleness histogram of each worker's updates since the strategy was created
+        (unaffected by `reset` reads)."""
         return Staleness(self._stale.numpy())
 
     def restart_step_clock(self) -> None:
@@ -268,13 +298,32 @@ class HeteroParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         return int(self._updates.numpy())
 
     # ----------------------------------------------------------------- in the train step -------
-    def _read_updates(self):
-        """The global update count now (in-graph)."""
+    def read_update_count(self) -> tf.Tensor:
+        """In-graph (in a step scheduled on a worker): the global update count now, int64.
+
+        A step reads it before its forward pass and again before its own update: the
+        difference is its update's staleness (see `record_update`).
+        """
         return tf.identity(self._updates.read_value())
 
-    def _record_step(self, worker, samples, seconds, staleness):
-        """Counts one applied update of `worker` with its measurements (in-graph, on the
-        parameter servers; each accumulation is one atomic op)."""
+    def record_update(self, worker, samples, seconds, staleness) -> tf.Operation:
+        """In-graph: counts one applied update of `worker` with its measurements.
+
+        The accumulators live on the parameter servers; each accumulation is one atomic op,
+        so workers recording at once lose nothing. `read_replica_times`, `read_totals`,
+        `read_staleness` and `updates` read them.
+
+        Args:
+            worker: int32 scalar tensor, the worker's index.
+            samples: the update's batch size (scalar tensor).
+            seconds: the step's compute seconds (scalar tensor).
+            staleness: updates applied by others between the step's read of
+                `read_update_count()` and its own update (scalar tensor; the histogram's
+                last bin takes `staleness_bins - 1` and more).
+
+        Returns:
+            The op that records it.
+        """
         one_hot = tf.one_hot(worker, self._num_workers, dtype=tf.float64)
         stale_bin = tf.minimum(tf.cast(staleness, tf.int32), self._staleness_bins - 1)
         return tf.group(

@@ -13,7 +13,6 @@ redone, and nothing after a preemption notice (`tf_hetbatch.preemption`).
 from __future__ import annotations
 
 import logging
-import numbers
 import os
 from typing import Any, Dict, Optional, Union
 
@@ -21,6 +20,7 @@ import keras
 import numpy as np
 
 from tf_hetbatch import _compat
+from tf_hetbatch._validate import check_int
 from tf_hetbatch import legacy_checkpoint as _legacy
 from tf_hetbatch import run_checkpoint as _run
 from tf_hetbatch.preemption import RESTART_EXIT_CODE, PreemptionNotice
@@ -136,9 +136,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                 "`directory` must be a non-empty path on storage every worker sees, e.g. "
                 f"'/shared/run1/ckpt' or 'gs://bucket/run1'. Received: directory={directory!r}")
         self.directory = os.fspath(directory)
-        self.save_every_steps = _check_int(
-            "save_every_steps", save_every_steps, "e.g. save_every_steps=50")
-        self.keep = _check_int("keep", keep, "e.g. keep=2")
+        self.save_every_steps = check_int(
+            "save_every_steps", save_every_steps, 1, "e.g. save_every_steps=50.")
+        self.keep = check_int("keep", keep, 1, "e.g. keep=2.")
         if dynamic_batching is not None:
             from tf_hetbatch.callback import DynamicBatching
 
@@ -217,12 +217,12 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             The epoch to resume at: pass it as `model.fit(..., initial_epoch=...)`.
 
         Raises:
-            TypeError: the model is not under a tf_hetbatch strategy.
-            ValueError: the model is not built; the checkpoint does not match the model; the
+            ValueError: the model is not under a synchronous tf_hetbatch strategy; it is not
+                built; the checkpoint does not match the model; the
                 workers found different checkpoints (`directory` not shared); a broken or
                 foreign checkpoint.
         """
-        strategy = hetero_strategy_of(model, "ResumableCheckpoint")
+        strategy = hetero_strategy_of(model, "ResumableCheckpoint", synchronous=True)
         found = self._find()
         _check_same_on_all_workers(strategy, -1 if found is None else int(found[2]["step"]),
                                    self.directory)
@@ -266,7 +266,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
 
     # ------------------------------------------------------------------ Keras hooks -------
     def on_train_begin(self, logs=None):
-        strategy = hetero_strategy_of(self.model, "ResumableCheckpoint")
+        strategy = hetero_strategy_of(self.model, "ResumableCheckpoint", synchronous=True)
         self._strategy = strategy
         self._steps = StepCounter(strategy)
         if self.restored is None and not self._wrote and self._find() is not None:
@@ -363,7 +363,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._close_notice()
         self._fits += 1
         self._notice = PreemptionNotice(
-            getattr(strategy, "cluster_resolver", None),
+            strategy.cluster_resolver,
             key=f"tf_hetbatch/preemption/{self.directory}/{self._fits}")
         self._notice.start()
         if self._pending_request:
@@ -399,7 +399,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     def _restore_split(self, strategy, position, where):
         sizes, keep_state = _run.resume_split(
             position.get("batch_sizes"), int(position["num_parts"]),
-            strategy.num_replicas_in_sync, None, where, log=strategy.is_chief)
+            strategy.num_parts, None, where, log=strategy.is_chief)
         if sizes is not None:
             strategy.set_batch_sizes(sizes)  # a collective in multi-worker training
         state = position.get("dynamic_batching")
@@ -418,7 +418,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             "epoch": int(epoch),
             "batch": int(batch),
             "batch_sizes": None if sizes is None else [int(s) for s in sizes],
-            "num_parts": int(strategy.num_replicas_in_sync),
+            "num_parts": int(strategy.num_parts),
             "dynamic_batching": None if self.dynamic_batching is None
             else self.dynamic_batching.get_state(),
         }
@@ -458,16 +458,9 @@ def _iterations(model) -> Optional[int]:
     return int(optimizer.iterations.numpy())
 
 
-def _check_int(name: str, value, example: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}. "
-                         f"Fix: {example}.")
-    return int(value)
-
-
 def _check_same_on_all_workers(strategy, step: int, directory: str) -> None:
     """One collective: every worker must have found the same checkpoint step."""
-    local = np.full(strategy._num_local_replicas(), float(step))
+    local = np.full(strategy.num_local_replicas, float(step))
     steps = np.asarray(strategy.gather_replica_values(local))
     if not np.all(steps == steps[0]):
         found = sorted({int(s) for s in steps})

@@ -9,6 +9,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_hetbatch import _compat
+from tf_hetbatch import _validate
+from tf_hetbatch import device_peaks
 from tf_hetbatch import input_split
 from tf_hetbatch import input_work
 from tf_hetbatch import split
@@ -24,10 +26,11 @@ ONE_HOST_SWITCH_LAG_STEPS = 3
 
 
 class HeteroMixin:
-    """What both tf_hetbatch strategies add to their stock base class.
+    """What both synchronous tf_hetbatch strategies add to their stock base class.
 
-    The host class calls `_init_hetero()` after its stock constructor. Subclasses for several
-    workers override the topology hooks at the end.
+    They implement `tf_hetbatch.protocols.SynchronousSplitStrategy`. The host class calls
+    `_init_hetero()` after its stock constructor. Subclasses for several workers override the
+    topology hooks at the end.
     """
 
     def _init_hetero(self):
@@ -45,10 +48,21 @@ class HeteroMixin:
         self._said_unsplit = weakref.WeakSet()  # datasets whose unsplit input was logged
         self._split_input_work = True
         self._timing = timing.TimingAccumulators(
-            self, self._num_local_replicas(), from_release=self._time_from_release()
+            self, self.num_local_replicas, from_release=self._time_from_release()
         )
 
     # ----------------------------------------------------------------- the split ---------------
+    @property
+    def asynchronous(self) -> bool:
+        """False: every replica runs every step (`protocols.SynchronousSplitStrategy`)."""
+        return False
+
+    @property
+    def num_local_replicas(self) -> int:
+        """Replicas of this process: all replicas in sync on one host, this worker's across
+        workers."""
+        return len(self.extended.worker_devices)
+
     @property
     def batch_sizes(self) -> Optional[Tuple[int, ...]]:
         """The current per-replica batch sizes, in replica order.
@@ -144,14 +158,11 @@ class HeteroMixin:
         Raises:
             ValueError: negative values.
         """
-        for name, value in (("steps_trained", steps_trained), ("skip_batches", skip_batches)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(
-                    f"`{name}` must be an int >= 0. Received: {name}={value!r}. Fix: pass the "
-                    "step and the batches of the epoch recorded in the checkpoint."
-                )
-        self._allocation.trained.assign(int(steps_trained))
-        self._allocation.skip.assign(int(skip_batches))
+        fix = "pass the step and the batches of the epoch recorded in the checkpoint."
+        steps_trained = _validate.check_int("steps_trained", steps_trained, 0, fix)
+        skip_batches = _validate.check_int("skip_batches", skip_batches, 0, fix)
+        self._allocation.trained.assign(steps_trained)
+        self._allocation.skip.assign(skip_batches)
 
     # ----------------------------------------------------------------- timing ------------------
     def read_replica_times(self, reset: bool = False) -> timing.ReplicaTimes:
@@ -169,24 +180,42 @@ class HeteroMixin:
         Returns:
             `ReplicaTimes` over all replicas in sync, in replica order.
         """
-        return self._read_replica_times(reset)[0]
+        return self._read_times(reset, None)[0]
 
-    def _read_replica_times(self, reset, local_extra=None):
-        """(`read_replica_times(reset)`, the replicas' `local_extra` values or None).
+    def read_replica_times_and_gather(
+            self, local_values, reset: bool = False) -> Tuple[timing.ReplicaTimes, np.ndarray]:
+        """`read_replica_times(reset)` and `gather_replica_values(local_values)` at once.
 
-        `local_extra` (one float per local replica) is gathered in the same collective as the
-        times, so a callback that needs another per-replica value at the same point (e.g. each
-        worker's step time) costs the cluster one collective, not two.
+        The values are gathered in the same collective as the times, so a callback that needs
+        another per-replica value at the same point (e.g. each worker's step time, as
+        `DynamicBatching` does) costs the cluster one collective, not two. In multi-worker
+        training every worker must call it at the same point.
+
+        Args:
+            local_values: float array [num_local_replicas] (or [num_local_replicas, n]).
+            reset: as for `read_replica_times`.
+
+        Returns:
+            (`ReplicaTimes` over all replicas, float64 array [num_replicas_in_sync] (or
+            [num_replicas_in_sync, n]) of the values in replica order).
+
+        Raises:
+            ValueError: `local_values` has not one row per local replica.
         """
+        return self._read_times(reset, self._local_rows(local_values))
+
+    def _read_times(self, reset, local_values):
+        """(`ReplicaTimes`, the gathered `local_values` or None): one collective."""
         local = self._timing.read_local()
         if reset:
             self._timing.subtract_local(local)
         rows = local.rows()
-        if local_extra is None:
+        if local_values is None:
             return timing.ReplicaTimes.from_rows(self._gather_local_rows(rows)), None
-        extra = np.asarray(local_extra, np.float64).reshape(rows.shape[0], 1)
+        extra = local_values.reshape(rows.shape[0], -1)
         gathered = self._gather_local_rows(np.concatenate([rows, extra], axis=1))
-        return timing.ReplicaTimes.from_rows(gathered[:, :3]), gathered[:, 3]
+        values = gathered[:, 3:].reshape((gathered.shape[0],) + local_values.shape[1:])
+        return timing.ReplicaTimes.from_rows(gathered[:, :3]), values
 
     def restart_step_clock(self) -> None:
         """Times the next step of each replica from its inputs being ready, not from its release.
@@ -237,7 +266,7 @@ class HeteroMixin:
         self.restart_step_clock()
         num_replicas = self.num_replicas_in_sync
         replica_range = self._replica_range()
-        several_workers = self._num_local_replicas() < num_replicas
+        several_workers = self.num_local_replicas < num_replicas
         owns_every_replica = not several_workers or not self._split_input_work
         seed = None
         if several_workers and not evaluation and input_work.has_unseeded_shuffle(dataset):
@@ -278,7 +307,7 @@ class HeteroMixin:
             RuntimeError: the workers' input pipelines produced different global batches
                 (naming the likely causes and the fix).
         """
-        self._gather_local_rows(np.zeros(self._num_local_replicas()))
+        self._gather_local_rows(np.zeros(self.num_local_replicas))
 
     def _agree_on_seed(self):
         """A shuffle seed every worker agrees on (one host: none needed)."""
@@ -453,7 +482,7 @@ class HeteroMixin:
     def switch_lag_steps(self) -> int:
         """An upper bound on the training steps after `set_batch_sizes` until the new split is
         in force on every replica (one host: the split pipeline runs at most a few global
-        batches ahead; several workers: exactly `multi_worker.SWITCH_MARGIN`). Measurements
+        batches ahead; several workers: exactly the strategy's `switch_margin`). Measurements
         that start earlier may mix the two splits."""
         return self._switch_lag_steps()
 
@@ -476,14 +505,38 @@ class HeteroMixin:
 
         Returns:
             float64 array [num_replicas_in_sync] (or [num_replicas_in_sync, n]).
+
+        Raises:
+            ValueError: `local_values` has not one row per local replica.
         """
+        return self._gather_local_rows(self._local_rows(local_values))
+
+    def _local_rows(self, local_values):
         local_values = np.asarray(local_values, dtype=np.float64)
-        if local_values.shape[0] != self._num_local_replicas():
+        if local_values.ndim not in (1, 2) or local_values.shape[0] != self.num_local_replicas:
             raise ValueError(
-                f"`local_values` must have one row per local replica ({self._num_local_replicas()}). "
-                f"Received: shape {local_values.shape}."
+                f"`local_values` must have one row per local replica ({self.num_local_replicas})."
+                f" Received: shape {local_values.shape}. Fix: one value (or one row of values) "
+                "for each of this process's replicas, in `strategy.extended.worker_devices` "
+                "order."
             )
-        return self._gather_local_rows(local_values)
+        return local_values
+
+    def part_capacities(self) -> np.ndarray:
+        """Nominal peak FLOP/s of every replica's device, in replica order.
+
+        Each local replica device is looked up (`tf_hetbatch.device_peaks`); the values are
+        then gathered from every worker: in multi-worker training a collective, called at the
+        same point on every worker.
+
+        Returns:
+            float64 array [num_replicas_in_sync] of FLOP/s.
+
+        Raises:
+            ValueError: a replica on a GPU that TensorFlow does not list.
+        """
+        local = [device_peaks.device_peak_flops(d) for d in self.extended.worker_devices]
+        return self.gather_replica_values(np.asarray(local, np.float64))
 
     # ----------------------------------------------------------------- topology hooks ----------
     def _is_chief(self):
@@ -508,9 +561,6 @@ class HeteroMixin:
 
     def _host_device(self):
         return "/cpu:0"
-
-    def _num_local_replicas(self):
-        return self.num_replicas_in_sync
 
     def _replica_range(self):
         return None
@@ -569,9 +619,9 @@ class StepCounter:
         self._last = self._read()
 
     def _read(self):
-        if isinstance(self._strategy, HeteroMixin):
-            return self._strategy.steps_trained
-        return None
+        if self._strategy.asynchronous:
+            return None
+        return self._strategy.steps_trained
 
     def __call__(self) -> int:
         """The steps trained since the previous call (or the counter's creation)."""
@@ -582,11 +632,21 @@ class StepCounter:
         return steps
 
 
-def hetero_strategy_of(model, user: str) -> HeteroMixin:
+def hetero_strategy_of(model, user: str, synchronous: bool = False):
     """The tf_hetbatch strategy `model` was created under.
 
+    Args:
+        model: a Keras model.
+        user: who asks (for the error message), e.g. "DynamicBatching".
+        synchronous: if True, only a synchronous strategy will do.
+
+    Returns:
+        The strategy: a `protocols.SplitStrategy` (a `protocols.SynchronousSplitStrategy`
+        with `synchronous=True`).
+
     Raises:
-        ValueError: the model is not under a tf_hetbatch strategy (naming `user`, the caller).
+        ValueError: the model is not under a tf_hetbatch strategy, or (`synchronous`) under
+            the asynchronous one (naming `user`, the caller).
     """
     from tf_hetbatch.parameter_server import HeteroParameterServerStrategy
 
@@ -597,6 +657,13 @@ def hetero_strategy_of(model, user: str) -> HeteroMixin:
             f"under {type(strategy).__module__}.{type(strategy).__name__}. Fix: create and "
             "compile the model inside `with strategy.scope():` of a HeteroMirroredStrategy, "
             "HeteroMultiWorkerMirroredStrategy or HeteroParameterServerStrategy."
+        )
+    if synchronous and strategy.asynchronous:
+        raise ValueError(
+            f"{user} needs a synchronous tf_hetbatch strategy (Keras fit). Received: a model "
+            f"under {type(strategy).__name__}. Fix: use HeteroMirroredStrategy or "
+            "HeteroMultiWorkerMirroredStrategy; AsyncTrainer(checkpoint_dir=...) checkpoints "
+            "asynchronous training itself."
         )
     return strategy
 

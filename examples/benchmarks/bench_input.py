@@ -87,7 +87,7 @@ def make_plan(args, cluster, tiny):
                     phases.append({"name": f"r{r} h2h {arm} b{block}", "kind": "static",
                                    "pipeline": arm, "input_work": "split", "sizes": fixed,
                                    "steps": steps})
-    # The fixed split is in force SWITCH_MARGIN (8) trained steps after it is set: train
+    # The fixed split is in force switch_margin (8) trained steps after it is set: train
     # that long at it first, so the pass's batches (keyed from the steps trained) all get it.
     phases.append({"name": "amplification set-up", "kind": "static", "pipeline": "heavy",
                    "input_work": "split", "sizes": fixed, "steps": 10, "skip": 9})

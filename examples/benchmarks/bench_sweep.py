@@ -6,7 +6,7 @@ one cluster run per H, `--repeats` interleaved rounds of three one-epoch phases:
 `even` (stock), `static` (cap-proportional: what a FLOPs split gives when capacity is known)
 and `dynamic` (`DynamicBatching(initial=--dynamic-initial)`, default "flops": the library's
 default, which reads each worker's CPU cap; "uniform" starts from the even split). Each phase is
-preceded by SWITCH_MARGIN+1 unmeasured steps on its starting split. The dynamic phase runs
+preceded by switch_margin+1 unmeasured steps on its starting split. The dynamic phase runs
 `--dynamic-epochs` epochs (default 3) and its last epoch is reported: its steady state after
 the static split landed and the controller and its step-time search settled (its first epoch,
 all of that included, is reported beside). Reported: the steady step time (median of the
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 
 POLICIES = ("even", "static", "dynamic")
-PREP = 9  # SWITCH_MARGIN + 1: the phase's own split is in force from its first step
+PREP = 9  # switch_margin + 1: the phase's own split is in force from its first step
 
 
 def sweep_caps(h, workers, total):

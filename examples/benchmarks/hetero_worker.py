@@ -12,7 +12,7 @@ The plan (JSON) holds the model (`model`, `filters`, `batch`, `train_samples`,
 * `"phases"`: `phases` is a list of
   - `{"name", "kind": "static", "sizes": [..] | "even" | "best" | "of", "steps", "skip"}`: a
     fixed split set with `set_batch_sizes` (a collective, same point on every worker; it takes
-    effect SWITCH_MARGIN steps later, so the first `skip` steps are not measured). `"best"`
+    effect `switch_margin` steps later, so the first `skip` steps are not measured). `"best"`
     picks, identically on every worker, the static phase whose name starts with `best_of`
     (default "grid") with the lowest cluster-mean median step time; `"of"` takes the split
     an earlier phase named `of` ended with (for a dynamic phase, the split its controller
@@ -181,7 +181,7 @@ def run_phase(model, strategy, dataset, phase, done, plan, chief):
             sizes = of.get("settled_sizes", of["sizes"])
         sizes = [int(s) for s in sizes]
         strategy.set_batch_sizes(sizes)  # a collective: every worker at the same point
-        skip = int(phase.get("skip", multi_worker.SWITCH_MARGIN + 4))
+        skip = int(phase.get("skip", multi_worker.DEFAULT_SWITCH_MARGIN + 4))
         skip = min(skip, max(steps - 2, 0))
         record.update(sizes=sizes, skip=skip)
         timer = StepTimer(strategy, t0, read_at=(skip, steps) if steps - skip >= 1 else None)
@@ -318,7 +318,7 @@ def main(argv=None):
         result = task_accuracy(strategy, plan, chief)
     result.update(replicas=strategy.num_replicas_in_sync, model=plan["model"],
                   batch=plan["batch"], worker_started_s=started,
-                  switch_margin=multi_worker.SWITCH_MARGIN)
+                  switch_margin=multi_worker.DEFAULT_SWITCH_MARGIN)
     if chief:
         with open(args.result, "w") as f:
             json.dump(result, f)

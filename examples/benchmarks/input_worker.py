@@ -17,7 +17,7 @@ of `shuffle_buffer` records), with an `InputMeter` in the pipeline. `phases` is 
 - `{"name", "kind": "epoch", "pipeline", "input_work", "samples"}`: read amplification:
   one pass over a finite pipeline of the first `samples` records, through the strategy's
   distributed dataset (what `fit` iterates; no training), at the split in force (put a
-  static phase of at least SWITCH_MARGIN + 2 steps at the wanted split before it): bytes read
+  static phase of at least switch_margin + 2 steps at the wanted split before it): bytes read
   by the process (`/proc/self/io` rchar) and by the pipeline against its own samples' bytes.
   Put these last (they produce batches that are never trained, so no split may be set after
   them).
@@ -202,7 +202,7 @@ def run_phase(model, strategy, pipelines, phase, plan, chief):
     else:
         sizes = resolve_sizes(phase.get("sizes", "even"), batch, k)
         callbacks.append(SetSplit(strategy, sizes))
-        skip = int(phase.get("skip", multi_worker.SWITCH_MARGIN + 4))
+        skip = int(phase.get("skip", multi_worker.DEFAULT_SWITCH_MARGIN + 4))
         first = min(skip, max(steps - 2, 0))
         record.update(sizes=sizes, skip=first)
         read_busy = True
@@ -286,7 +286,7 @@ def main(argv=None):
             done.append(run_phase(model, strategy, pipelines, phase, plan, chief))
     result = {"data": pipelines.source, "phases": done, "replicas": strategy.num_replicas_in_sync,
               "model": plan["model"], "batch": plan["batch"], "worker_started_s": started,
-              "switch_margin": multi_worker.SWITCH_MARGIN}
+              "switch_margin": multi_worker.DEFAULT_SWITCH_MARGIN}
     if chief:
         with open(args.result, "w") as f:
             json.dump(result, f)

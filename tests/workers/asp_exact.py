@@ -39,7 +39,7 @@ def scaling(args, strategy):
         return tf.data.Dataset.from_tensors((c, tf.constant(0.0))).repeat()
 
     sizes = [int(v) for v in args.sizes.split(",")]
-    strategy._set_total(sum(sizes))
+    strategy.set_global_batch_size(sum(sizes))
     strategy.set_batch_sizes(sizes)
     mean_batch = sum(sizes) // num
     trainer.fit(dataset_fn, batch_size=mean_batch, epochs=1, steps_per_epoch=args.steps,

@@ -134,7 +134,7 @@ def main(argv=None):
                       keras.callbacks.EarlyStopping(monitor="val_loss", patience=5),
                       keras.callbacks.CSVLogger(os.path.join(args.keras_callbacks, "log.csv"))]
     if args.sizes:
-        strategy._set_total(args.batch_size * strategy.num_workers)
+        strategy.set_global_batch_size(args.batch_size * strategy.num_workers)
         strategy.set_batch_sizes([int(v) for v in args.sizes.split(",")])
     try:
         history = trainer.fit(dataset_fn, batch_size=args.batch_size, epochs=args.epochs,

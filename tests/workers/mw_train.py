@@ -89,7 +89,7 @@ class SwitchAt(keras.callbacks.Callback):
         # A collective on every worker; each worker's index (+ 0.5) rides along, as a
         # worker's step time does for DynamicBatching.
         index = self.strategy.cluster_resolver.task_id
-        times, extra = self.strategy._read_replica_times(reset=True, local_extra=[index + 0.5])
+        times, extra = self.strategy.read_replica_times_and_gather([index + 0.5], reset=True)
         self.samples.append(times.samples.tolist())
         self.extra.append(extra.tolist())
         if self.step == self.at_step:
