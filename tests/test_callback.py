@@ -259,6 +259,16 @@ def test_without_a_hetero_strategy_fails_naming_the_fix(cpus, where):
 
 
 # --------------------------------------------------------------------------- arguments ----
+class NoStepTimeController:
+    """Not a `protocols.Controller`: its `update` does not take the keyword `step_time`."""
+
+    def init(self, sizes):
+        return CyclingController([sizes]).init(sizes)
+
+    def update(self, state, sizes, times):
+        return state.sizes, state
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(initial="fast"), ValueError, "initial='fast'"),
     (dict(initial=[]), TypeError, "initial=[]"),
@@ -267,6 +277,8 @@ def test_without_a_hetero_strategy_fails_naming_the_fix(cpus, where):
     (dict(initial=[2.5, 3]), ValueError, "whole numbers"),
     (dict(controller="pid"), ValueError, "controller='pid'"),
     (dict(controller=object()), TypeError, "init(sizes) and update("),
+    (dict(controller=NoStepTimeController()), TypeError, "update(self, state, sizes, times, "
+     "step_time=None)"),
     (dict(min_sizes=-1), ValueError, "min_sizes=-1"),
     (dict(min_sizes=None), ValueError, "min_sizes=None"),
     (dict(max_sizes=0), ValueError, "max_sizes=0"),

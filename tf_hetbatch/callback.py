@@ -11,6 +11,11 @@ collectives there. This callback calls them at the same steps on every worker, w
 chief-only branch around them; the controllers are deterministic, so every worker computes
 the same split from the same gathered measurements. Only writing (dashboards, the PNG) and
 cluster-wide log lines are chief-only.
+
+The callback coordinates collaborators with one job each: the measurement window
+(`measurement_window`), the static split (`static_split`), the controller
+(`controller_setup`, `protocols.Controller`) and the dashboards (`balance_board`). It uses
+the strategy through `protocols.SplitStrategy` only.
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ from __future__ import annotations
 import logging
 import numbers
 import os
-import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import keras
@@ -26,31 +30,33 @@ import numpy as np
 
 from tf_hetbatch import controllers as _controllers
 from tf_hetbatch import split as _split
+from tf_hetbatch._validate import check_int, format_value
+from tf_hetbatch.balance_board import BalanceBoard
+from tf_hetbatch.batch_bounds import (Bounds, check_bounds, check_bounds_admit,
+                                      check_bounds_order, plain_bounds)
+from tf_hetbatch.controller_setup import (controller_config, controller_from_config,
+                                          make_controller)
+from tf_hetbatch.measurement_window import MeasurementWindow, WindowMeasurement
+from tf_hetbatch.static_split import StaticSplitPolicy, check_initial, device_capacities
 from tf_hetbatch.strategy import StepCounter, hetero_strategy_of
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DynamicBatching", "device_capacities"]
 
-_INITIAL_MODES = ("flops", "probe", "uniform")
-_CONTROLLERS = {
-    "model": _controllers.ModelBasedController,
-    "proportional": _controllers.ProportionalController,
-}
 _STATE_FORMAT = "tf_hetbatch.DynamicBatching/1"
 _MAX_WINDOWS_KEPT = 10_000
-_ASYNC_WARM_UPDATES = 2
-
-Bounds = Union[int, Sequence[int], None]
 
 
 class DynamicBatching(keras.callbacks.Callback):
     """Sets and keeps adjusting the per-replica split of the global batch during `fit`.
 
     Use it with a model created under a tf_hetbatch strategy (`HeteroMirroredStrategy` or
-    `HeteroMultiWorkerMirroredStrategy`). The data stays batched by the global batch size B;
-    only its split b_1..b_K (sum B) changes, and each replica's gradient is weighted by b_k / B,
-    so every update is the one a single device would make on the whole global batch.
+    `HeteroMultiWorkerMirroredStrategy` in `fit`; `HeteroParameterServerStrategy` in
+    `AsyncTrainer.fit`, with workers in place of replicas). The data stays batched by the
+    global batch size B; only its split b_1..b_K (sum B) changes, and each replica's gradient
+    is weighted by b_k / B, so every update is the one a single device would make on the
+    whole global batch.
 
     Order of events, identical on every worker:
     1. `on_train_begin`: the static split (see `initial`) is applied, unless a previous `fit`
@@ -112,9 +118,10 @@ class DynamicBatching(keras.callbacks.Callback):
 
     Raises:
         ValueError, TypeError: on invalid arguments (when constructed; also `min_sizes` above
-            `max_sizes`), and in `fit` when the model is not under a tf_hetbatch strategy, the
-            split does not fit the data, or the bounds do not fit the replicas or admit no
-            split of B (at the start of `fit`, or when the first window gives an unknown B).
+            `max_sizes`, or a controller whose `update` does not take `step_time`), and in
+            `fit` when the model is not under a tf_hetbatch strategy, the split does not fit
+            the data, or the bounds do not fit the replicas or admit no split of B (at the
+            start of `fit`, or when the first window gives an unknown B).
 
     Example:
         >>> import keras, numpy as np, tf_hetbatch as hb
@@ -143,16 +150,16 @@ class DynamicBatching(keras.callbacks.Callback):
         verbose: int = 0,
     ) -> None:
         super().__init__()
-        self.initial = _check_initial(initial)
-        self.min_sizes = _check_bounds("min_sizes", min_sizes, allow_none=False)
-        self.max_sizes = _check_bounds("max_sizes", max_sizes, allow_none=True)
-        _check_bounds_order(self.min_sizes, self.max_sizes)
-        self.controller = _make_controller(controller, self.min_sizes, self.max_sizes)
+        self.initial = check_initial(initial)
+        self.min_sizes = check_bounds("min_sizes", min_sizes, allow_none=False)
+        self.max_sizes = check_bounds("max_sizes", max_sizes, allow_none=True)
+        check_bounds_order(self.min_sizes, self.max_sizes)
+        self.controller = make_controller(controller, self.min_sizes, self.max_sizes)
         self._controller_arg = controller if isinstance(controller, str) or controller is None \
             else None
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0, "e.g. 5")
-        self.interval = _check_int("interval", interval, 1, "e.g. 10")
-        self.probe_steps = _check_int("probe_steps", probe_steps, 1, "e.g. 10")
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, "e.g. warmup_steps=5.")
+        self.interval = check_int("interval", interval, 1, "e.g. interval=10.")
+        self.probe_steps = check_int("probe_steps", probe_steps, 1, "e.g. probe_steps=10.")
         if log_dir is not None and (not isinstance(log_dir, (str, os.PathLike))
                                     or not os.fspath(log_dir)):
             raise ValueError("`log_dir` must be a non-empty path such as 'logs', or None for no "
@@ -168,18 +175,15 @@ class DynamicBatching(keras.callbacks.Callback):
         self._sizes: Optional[Tuple[int, ...]] = None
         self._global_step = 0
         self._num_windows = 0
-        # Per-fit state.
+        # Per-fit state and collaborators (made in on_train_begin).
         self.windows: List[Dict[str, Any]] = []
         self._strategy = None
-        self._writer = None
-        self._capacities: Optional[np.ndarray] = None
-        self._fit_step = 0
-        self._window_steps = 0
-        self._window_wall = 0.0
-        self._batch_start = 0.0
-        self._measuring = False
-        self._warm_base = None
-        self._change_step = None
+        self._steps = None
+        self._window: Optional[MeasurementWindow] = None
+        self._static: Optional[StaticSplitPolicy] = None
+        self._board: Optional[BalanceBoard] = None
+        self._switch_lag = 0
+        self._change_step: Optional[int] = None
 
     # ------------------------------------------------------------------ public state ------
     @property
@@ -229,15 +233,15 @@ class DynamicBatching(keras.callbacks.Callback):
         if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
             raise ValueError(
                 f"`state` must be a dict from DynamicBatching.get_state() (format "
-                f"{_STATE_FORMAT!r}). Received: {_split._fmt(state)}")
+                f"{_STATE_FORMAT!r}). Received: {format_value(state)}")
         sizes, ctrl = state.get("batch_sizes"), state.get("controller_state")
         if (sizes is None) != (ctrl is None):
             raise ValueError("`state` must have both `batch_sizes` and `controller_state`, or "
-                             f"neither. Received: batch_sizes={_split._fmt(sizes)}, "
-                             f"controller_state={_split._fmt(ctrl)}")
+                             f"neither. Received: batch_sizes={format_value(sizes)}, "
+                             f"controller_state={format_value(ctrl)}")
         if sizes is not None:
             sizes = _split.validate_sizes(sizes, len(sizes))
-            restore = getattr(self.controller, "state_from_dict",
+            restore = getattr(self.controller, "state_from_dict",  # optional, see Controller
                               _controllers.ControllerState.from_dict)
             ctrl = restore(ctrl)
             if tuple(int(v) for v in ctrl.sizes) != sizes:
@@ -245,29 +249,22 @@ class DynamicBatching(keras.callbacks.Callback):
                     "`state` is inconsistent: batch_sizes must equal the controller state's "
                     f"sizes. Received: batch_sizes={list(sizes)}, controller sizes="
                     f"{list(ctrl.sizes)}")
+        fix = "pass a state from DynamicBatching.get_state()."
+        global_step = check_int("global_step", state.get("global_step", 0), 0, fix)
+        num_windows = check_int("windows", state.get("windows", 0), 0, fix)
         self._sizes = sizes
         self.controller_state = ctrl
         self.history = [dict(e) for e in state.get("history", [])]
-        self._global_step = _check_int("global_step", state.get("global_step", 0), 0, "")
-        self._num_windows = _check_int("windows", state.get("windows", 0), 0, "")
+        self._global_step = global_step
+        self._num_windows = num_windows
 
     def get_config(self) -> Dict[str, Any]:
         """Constructor arguments as a JSON-serialisable dict (see `from_config`)."""
-        if self._controller_arg is not None:
-            controller = self._controller_arg
-        elif self.controller is not None and hasattr(self.controller, "get_config"):
-            controller = {"class_name": type(self.controller).__name__,
-                          "config": self.controller.get_config()}
-        else:
-            raise ValueError(
-                f"The controller {type(self.controller).__name__} has no get_config(), so this "
-                "callback cannot be serialised. Fix: give the controller get_config() and "
-                "from_config(), or pass controller='model' or 'proportional'.")
         return {
             "initial": self.initial if isinstance(self.initial, str) else list(self.initial),
-            "controller": controller,
-            "min_sizes": _plain_bounds(self.min_sizes),
-            "max_sizes": _plain_bounds(self.max_sizes),
+            "controller": controller_config(self.controller, self._controller_arg),
+            "min_sizes": plain_bounds(self.min_sizes),
+            "max_sizes": plain_bounds(self.max_sizes),
             "warmup_steps": self.warmup_steps,
             "interval": self.interval,
             "probe_steps": self.probe_steps,
@@ -288,16 +285,7 @@ class DynamicBatching(keras.callbacks.Callback):
             ValueError: if the controller class is unknown.
         """
         config = dict(config)
-        controller = config.get("controller")
-        if isinstance(controller, Mapping):
-            classes = {c.__name__: c for c in _CONTROLLERS.values()}
-            classes.update(custom_objects or {})
-            name = controller.get("class_name")
-            if name not in classes:
-                raise ValueError(
-                    f"Unknown controller class {name!r} in the config. Fix: pass "
-                    f"custom_objects={{{name!r}: TheClass}} to DynamicBatching.from_config.")
-            config["controller"] = classes[name].from_config(controller.get("config", {}))
+        config["controller"] = controller_from_config(config.get("controller"), custom_objects)
         return cls(**config)
 
     # ------------------------------------------------------------------ Keras hooks -------
@@ -309,114 +297,68 @@ class DynamicBatching(keras.callbacks.Callback):
         num = strategy.num_parts
         # On every worker alike, before any collective; B may still be unknown (then the
         # first window gives it, see `_finish_static`).
-        _check_bounds_admit(*self._bounds(), num, strategy.global_batch_size)
-        self._fit_step = 0
-        self._window_steps = 0
-        self._window_wall = 0.0
-        self._measuring = False
-        # Asynchronous training: a worker's first updates of a fit include its tracing and
-        # input start-up; measuring starts once every worker finished two (`_workers_warm`).
-        self._warm_base = strategy.read_totals() if strategy.asynchronous else None
+        check_bounds_admit(*self._bounds(), num, strategy.global_batch_size)
+        self._window = MeasurementWindow(strategy, self.warmup_steps)
+        self._static = StaticSplitPolicy(self.initial, self.probe_steps, self._bounds())
         self._change_step = None  # the step of the last change of split, until it shows
         self.windows = []
         if strategy.is_chief and self.log_dir is not None:
-            from tf_hetbatch.summaries import BalanceWriter
-
-            self._writer = BalanceWriter(self.log_dir, num)
+            self._board = BalanceBoard(self.log_dir, num)
         if self.controller_state is not None:
             self._resume(strategy)
         else:
             self._start(strategy)
-        if self.warmup_steps == 0 and self._warm_base is None:
-            self._start_window()
+        self._window.begin()
 
     def on_epoch_begin(self, epoch, logs=None):
         # Validation and the epoch boundary are not a replica's work: restart the step clock.
         self._strategy.restart_step_clock()
 
     def on_train_batch_begin(self, batch, logs=None):
-        self._batch_start = time.perf_counter()
+        self._window.batch_begin()
 
     def on_train_batch_end(self, batch, logs=None):
-        wall = time.perf_counter() - self._batch_start
         steps = self._steps()  # > 1 with steps_per_execution
-        self._fit_step += steps
         self._global_step += steps
-        if not self._measuring:
-            if self._fit_step >= self.warmup_steps and self._workers_warm():
-                self._start_window()
-            return
-        self._window_steps += steps
-        self._window_wall += wall
-        length = self.interval if self._static_done else self._first_window_length()
-        if self._window_steps >= length:
-            self._end_window()
+        length = self.interval if self._static_done \
+            else self._static.first_window_length(self.interval)
+        measured = self._window.batch_end(steps, length)
+        if measured is not None:
+            self._use_window(measured)
 
     def on_train_end(self, logs=None):
-        writer, self._writer = self._writer, None
-        if writer is None:
-            return
-        writer.close()
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            logger.info("Balance dashboards written under %s (install matplotlib for the PNG).",
-                        self.log_dir)
-            return
-        from tf_hetbatch import plot
-
-        try:
-            png = plot.plot_balance(self.log_dir)
-        except FileNotFoundError:  # no window was measured: nothing to draw
-            logger.info("No balance window measured; no picture written for %s.", self.log_dir)
-            return
-        logger.info("Balance picture of this run: %s", png)
+        board, self._board = self._board, None
+        if board is not None:
+            board.close()
 
     # ------------------------------------------------------------------ the static split --
     @property
     def _static_done(self) -> bool:
         return self.controller_state is not None
 
-    def _first_window_length(self) -> int:
-        return self.probe_steps if self.initial == "probe" else self.interval
+    def _bounds(self):
+        # A controller's own bounds (optional, see protocols.Controller) win.
+        return (getattr(self.controller, "min_sizes", self.min_sizes),
+                getattr(self.controller, "max_sizes", self.max_sizes))
 
     def _start(self, strategy):
         """Applies the static split, or prepares it for the first window when B is unknown."""
-        num = strategy.num_parts
-        if not isinstance(self.initial, str) and len(self.initial) != num:
-            raise ValueError(
-                f"`initial` must have one batch size per replica ({num}). Received: "
-                f"initial={list(self.initial)}. Fix: give {num} sizes, or initial='flops'.")
-        if self.initial == "flops":
-            # A collective in multi-worker training: called on every worker, B known or not.
-            self._capacities = device_capacities(strategy)
-        total = strategy.global_batch_size
-        if not isinstance(self.initial, str):
-            self._apply_static(strategy, self.initial, "initial split: given sizes")
-        elif total is None:
+        start = self._static.at_start(strategy)
+        if start is None:
             logger.debug("Global batch size unknown; the static split waits for the first window.")
-        elif self.initial == "probe":
-            self._set_sizes(strategy, _split.split_evenly(total, num))
+        elif start[1] is None:  # the probe measures on this split first
+            self._set_sizes(strategy, start[0])
         else:
-            self._apply_static(strategy, self._static_split(total, num), self._static_reason())
+            self._apply_static(strategy, *start)
 
-    def _static_reason(self) -> str:
-        if self.initial == "flops":
-            peaks = ", ".join(f"{c / 1e9:.0f}" for c in self._capacities)
-            return f"initial split: proportional to nominal peak GFLOP/s [{peaks}]"
-        return "initial split: uniform"
-
-    def _static_split(self, total, num, throughputs=None):
-        lo, hi = self._bounds()
-        if self.initial == "flops":
-            return _split.split_proportionally(total, self._capacities, lo, hi)
-        if throughputs is not None:
-            return _split.split_proportionally(total, throughputs, lo, hi)
-        return _split.split_proportionally(total, np.ones(num), lo, hi)
-
-    def _bounds(self):
-        return (getattr(self.controller, "min_sizes", self.min_sizes),
-                getattr(self.controller, "max_sizes", self.max_sizes))
+    def _finish_static(self, strategy, sizes, times):
+        """The static split from the first window: B (if unknown) and, for a probe, throughput."""
+        num = strategy.num_parts
+        total = strategy.global_batch_size
+        if total is None:
+            total = int(round(float(np.sum(sizes))))
+            check_bounds_admit(*self._bounds(), num, total)
+        self._apply_static(strategy, *self._static.from_window(total, num, times.throughput))
 
     def _apply_static(self, strategy, sizes, reason):
         old = strategy.batch_sizes
@@ -445,38 +387,11 @@ class DynamicBatching(keras.callbacks.Callback):
         logger.debug("Resumed with batch sizes %s", list(sizes))
 
     # ------------------------------------------------------------------ windows -----------
-    def _workers_warm(self) -> bool:
-        if self._warm_base is None:
-            return True
-        done = self._strategy.read_totals().steps - self._warm_base.steps
-        return bool(np.min(done) >= _ASYNC_WARM_UPDATES)
-
-    def _start_window(self):
-        # Drops what the warm-up steps accumulated (a collective: same step on every worker).
-        self._strategy.read_replica_times(reset=True)
-        if self._strategy.asynchronous:
-            self._strategy.read_staleness(reset=True)
-        self._measuring = True
-        self._window_steps = 0
-        self._window_wall = 0.0
-
-    def _end_window(self):
+    def _use_window(self, measured: WindowMeasurement):
+        """A window ended: the static split, a controller update, or nothing; then its record."""
         strategy = self._strategy
-        steps = self._window_steps
-        step_time = self._window_wall / steps
-        cluster_step_time = None
-        if strategy.asynchronous:
-            times = strategy.read_replica_times(reset=True)
-        else:
-            # A controller's step-time search needs the same value on every worker: the
-            # slowest worker's mean step, gathered with the times (one collective, at the
-            # same step on every worker).
-            local = np.full(strategy.num_local_replicas, step_time)
-            times, walls = strategy.read_replica_times_and_gather(local, reset=True)
-            cluster_step_time = float(np.max(walls))
-        self._window_steps = 0
-        self._window_wall = 0.0
         self._num_windows += 1
+        times = measured.times
         sizes = np.nan_to_num(times.samples_per_step, nan=0.0)
         # A replica whose compute is shorter than the clock's resolution can read 0 (or, its
         # start stamp run late, slightly below): "not measured" for the controller and dashboards.
@@ -485,7 +400,7 @@ class DynamicBatching(keras.callbacks.Callback):
         # A window that may mix the old and the new split: it started before the new split was
         # surely in force, and its samples are not the new split's.
         straddles = (self._change_step is not None and not settled
-                     and self._global_step - steps < self._change_step + self._switch_lag)
+                     and self._global_step - measured.steps < self._change_step + self._switch_lag)
         if settled or not straddles:
             self._change_step = None
         used = False
@@ -503,27 +418,10 @@ class DynamicBatching(keras.callbacks.Callback):
                          self._global_step)
         else:
             used = True
-            self._control(strategy, sizes, secs, cluster_step_time)
-        self._log_window(sizes, secs, step_time, used)
-        if strategy.asynchronous:
-            self._log_staleness(strategy.read_staleness(reset=True))
-
-    def _finish_static(self, strategy, sizes, times):
-        """The static split from the first window: B (if unknown) and, for a probe, throughput."""
-        num = strategy.num_parts
-        total = strategy.global_batch_size
-        if total is None:
-            total = int(round(float(np.sum(sizes))))
-            _check_bounds_admit(*self._bounds(), num, total)
-        if self.initial == "probe":
-            throughput = np.nan_to_num(times.throughput, nan=0.0)
-            if not np.any(throughput > 0):
-                throughput = np.ones(num)
-            rates = ", ".join(f"{x:.0f}" for x in throughput)
-            self._apply_static(strategy, self._static_split(total, num, throughput),
-                               f"initial split: proportional to probed samples/s [{rates}]")
-        else:
-            self._apply_static(strategy, self._static_split(total, num), self._static_reason())
+            self._control(strategy, sizes, secs, measured.cluster_step_time)
+        self._log_window(sizes, secs, measured.step_time, used)
+        if measured.staleness is not None:  # asynchronous training
+            self._log_staleness(measured.staleness)
 
     def _control(self, strategy, sizes, secs, step_time):
         """`step_time`: the cluster's step time (synchronous training), else None."""
@@ -551,178 +449,23 @@ class DynamicBatching(keras.callbacks.Callback):
             level = logging.INFO if self.verbose else logging.DEBUG
             logger.log(level, "step %d: batch split %s -> %s (%s)", entry["step"], entry["old"],
                        entry["new"], reason)
-            if self._writer is not None:
-                self._writer.log_adjustment(entry["step"], entry["old"], entry["new"], reason)
+            if self._board is not None:
+                self._board.log_adjustment(entry)
 
     def _log_window(self, sizes, secs, step_time, used):
         window = {"step": int(self._global_step), "samples_per_step": sizes.tolist(),
                   "time_per_step": secs.tolist(), "step_time": float(step_time), "used": used}
         self.windows.append(window)
         del self.windows[:-_MAX_WINDOWS_KEPT]
-        if self._writer is None or not step_time > 0:
-            return
-        self._writer.log_window(window["step"], window["samples_per_step"],
-                                window["time_per_step"], step_time)
-
+        if self._board is not None:
+            self._board.log_window(window)
 
     def _log_staleness(self, staleness):
         mean, maximum = staleness.mean, staleness.max
         self.windows[-1]["staleness_mean"] = [None if v != v else float(v) for v in mean]
         self.windows[-1]["staleness_max"] = [int(v) for v in maximum]
-        if self._writer is not None:
-            self._writer.log_staleness(self.windows[-1]["step"], mean.tolist(),
-                                       maximum.tolist())
-
-
-# ---------------------------------------------------------------------- device capacities -
-def device_capacities(strategy) -> np.ndarray:
-    """Nominal peak FLOP/s of every part's device, in part order (`strategy.part_capacities`).
-
-    Synchronous strategies look up each replica's device (`tf_hetbatch.device_peaks`) and
-    gather them: in multi-worker training a collective, to call on every worker.
-    `HeteroParameterServerStrategy` reads each worker's CPU on the worker.
-
-    Args:
-        strategy: a tf_hetbatch strategy.
-
-    Returns:
-        float64 array [strategy.num_parts] of FLOP/s.
-    """
-    return np.asarray(strategy.part_capacities(), np.float64)
-
-
-# ---------------------------------------------------------------------- validation --------
-def _check_int(name, value, minimum, hint):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        hint = f", {hint}" if hint else ""
-        raise ValueError(f"`{name}` must be an integer >= {minimum}{hint}. "
-                         f"Received: {name}={value!r}")
-    return int(value)
-
-
-def _check_initial(initial):
-    if isinstance(initial, str):
-        if initial not in _INITIAL_MODES:
-            raise ValueError(
-                f"`initial` must be one of {_INITIAL_MODES} or a list of per-replica batch "
-                f"sizes. Received: initial={initial!r}")
-        return initial
-    if isinstance(initial, bytes) or np.ndim(initial) != 1 or len(initial) == 0:
-        raise TypeError(
-            f"`initial` must be one of {_INITIAL_MODES} or a list of per-replica batch sizes, "
-            f"e.g. [48, 16]. Received: initial={_split._fmt(initial)}")
-    sizes = _split.validate_sizes(initial, len(initial))
-    if sum(sizes) < 1:
-        raise ValueError(f"`initial` sizes must sum to the global batch size (>= 1). "
-                         f"Received: initial={list(sizes)}")
-    return sizes
-
-
-def _check_bounds(name, value, allow_none):
-    if value is None:
-        if allow_none:
-            return None
-        raise ValueError(f"`{name}` must be an integer >= 0 or one integer per replica. "
-                         f"Received: {name}=None")
-    minimum = 1 if name == "max_sizes" else 0
-    items = [value] if np.ndim(value) == 0 else (list(value) if np.ndim(value) == 1 else None)
-    ok = items is not None and len(items) > 0 and all(
-        not isinstance(v, (bool, np.bool_)) and isinstance(v, numbers.Integral) and v >= minimum
-        for v in items)
-    if not ok:
-        raise ValueError(f"`{name}` must be an integer >= {minimum} or a list of such integers, "
-                         f"one per replica. Received: {name}={_split._fmt(value)}")
-    return int(value) if np.ndim(value) == 0 else tuple(int(v) for v in items)
-
-
-def _check_bounds_order(min_sizes, max_sizes):
-    """At construction: no replica's minimum above its maximum (each already valid alone)."""
-    if max_sizes is None:
-        return
-    if isinstance(min_sizes, tuple) and isinstance(max_sizes, tuple) \
-            and len(min_sizes) != len(max_sizes):
-        raise ValueError(
-            "`min_sizes` and `max_sizes` must have the same length, one entry per replica. "
-            f"Received: min_sizes={list(min_sizes)} ({len(min_sizes)} entries), "
-            f"max_sizes={list(max_sizes)} ({len(max_sizes)} entries). Fix: give both one "
-            "entry per replica, or one int for every replica.")
-    lo, hi = np.broadcast_arrays(np.asarray(min_sizes), np.asarray(max_sizes))
-    bad = np.flatnonzero(lo > hi)
-    if bad.size:
-        where = "" if lo.ndim == 0 else f" (replica {int(bad[0])}: {int(lo.flat[bad[0]])} > " \
-            f"{int(hi.flat[bad[0]])})"
-        raise ValueError(
-            f"`min_sizes` must not exceed `max_sizes`{where}. Received: min_sizes="
-            f"{_split._fmt(_plain_bounds(min_sizes))}, max_sizes="
-            f"{_split._fmt(_plain_bounds(max_sizes))}. Fix: lower min_sizes or raise "
-            "max_sizes (max_sizes=None: no cap).")
-
-
-def _check_bounds_admit(min_sizes, max_sizes, num, total):
-    """When the replica count `num` (and the global batch `total`, None if unknown yet) is
-    known: the bounds have one entry per replica and some split of `total` satisfies them."""
-    for name, value in (("min_sizes", min_sizes), ("max_sizes", max_sizes)):
-        if value is not None and np.ndim(value) == 1 and len(value) != num:
-            raise ValueError(
-                f"`{name}` must have one entry per replica ({num}). Received: {name}="
-                f"{_split._fmt(_plain_bounds(value))} ({len(value)} entries). Fix: give "
-                f"{num} entries, or one int for every replica.")
-    if total is None:
-        return
-    lo = np.zeros(num, np.int64) if min_sizes is None else np.broadcast_to(
-        np.asarray(min_sizes, np.int64), (num,))
-    hi = np.full(num, total, np.int64) if max_sizes is None else np.minimum(
-        np.broadcast_to(np.asarray(max_sizes, np.int64), (num,)), total)
-    if int(lo.sum()) > total:
-        raise ValueError(
-            f"`min_sizes` must sum to at most the global batch size {total} over the {num} "
-            f"replicas. Received: min_sizes={_split._fmt(_plain_bounds(min_sizes))} (sum "
-            f"{int(lo.sum())}). Fix: lower min_sizes, or batch the data by at least "
-            f"{int(lo.sum())}.")
-    if int(hi.sum()) < total:
-        raise ValueError(
-            f"`max_sizes` must sum to at least the global batch size {total} over the {num} "
-            f"replicas. Received: max_sizes={_split._fmt(_plain_bounds(max_sizes))} (sum "
-            f"{int(hi.sum())}). Fix: raise max_sizes (None: no cap), or batch the data by at "
-            f"most {int(hi.sum())}.")
-
-
-def _make_controller(controller, min_sizes, max_sizes):
-    if controller is None or isinstance(controller, str):
-        key = "model" if controller is None else controller
-        if key not in _CONTROLLERS:
-            raise ValueError(
-                f"`controller` must be one of {tuple(_CONTROLLERS)} or a controller object with "
-                f"init() and update(). Received: controller={controller!r}")
-        bounds = dict(min_sizes=_bounds_arg(min_sizes), max_sizes=_bounds_arg(max_sizes))
-        return _CONTROLLERS[key](**bounds)
-    if not (callable(getattr(controller, "init", None))
-            and callable(getattr(controller, "update", None))):
-        raise TypeError(
-            "`controller` must be 'model', 'proportional' or an object with init(sizes) and "
-            "update(state, sizes, times) -> (sizes, state). Received: "
-            f"controller={controller!r} ({type(controller).__name__}).")
-    for name, value in (("min_sizes", min_sizes), ("max_sizes", max_sizes)):
-        if not hasattr(controller, name):
-            continue  # the static split uses the bounds given here
-        own = getattr(controller, name)
-        default = 1 if name == "min_sizes" else None
-        if value != default and _plain_bounds(own) != _plain_bounds(value):
-            raise ValueError(
-                f"`{name}` conflicts with the controller's own bounds. Received: {name}="
-                f"{_split._fmt(value)} and a controller with {name}={_split._fmt(own)}. Fix: "
-                f"set the bounds on the controller only, e.g. ModelBasedController({name}=...).")
-    return controller
-
-
-def _bounds_arg(value):
-    return list(value) if isinstance(value, tuple) else value
-
-
-def _plain_bounds(value):
-    if value is None or np.ndim(value) == 0:
-        return None if value is None else int(value)
-    return [int(v) for v in value]
+        if self._board is not None:
+            self._board.log_staleness(self.windows[-1]["step"], mean.tolist(), maximum.tolist())
 
 
 def _plain_entry(entry):
