@@ -3,9 +3,12 @@ MultiWorkerMirroredStrategy vs ours, at the same CPU cap and per-worker batch.
 
 CNN16 (`train_fashion_mnist.make_model("cnn", 16)`: 2 convolutions of 16 filters), Adam,
 real Fashion-MNIST, one inter-/intra-op thread per process, cgroup CPU caps with a 10 ms
-period (the launcher's). Three launches, each ONE process per worker in which all of its
-configurations live at once and are run in interleaved rounds (`--repeats`; a seeded random
-order per round, the same on every worker):
+period (the launcher's). Six launches, run back to back in this order: single, one worker,
+then the cluster's four (stock, ours [1,1,1], ours even, ours skewed). Each is ONE process
+per worker in which all of its configurations live at once and are run in interleaved rounds
+(`--repeats`; a seeded random order per round, the same on every worker). Configurations of
+one launch are compared within its rounds; a ratio between launches (ours / plain Keras,
+ours / stock MWMS) compares launches run one after the other, not interleaved rounds.
 
 (a) "single": 1 process capped 0.24, TF_CONFIG ignored. Plain Keras, no strategy: batch 1 and
     43, `steps_per_execution` (spe) 1 and 8. Rungs towards ours at batch 1: the stock
@@ -16,22 +19,38 @@ order per round, the same on every worker):
     spe 1 without metrics, and the stock `MultiWorkerMirroredStrategy` spe 1 (Keras's
     multi-worker crashes need 2+ workers; the shim below is installed anyway, and the same
     attempts as in the cluster are recorded).
-(b)+(c) "cluster": 3 workers capped 0.24 / 0.4 / 0.96 (the demo's cluster):
-    - stock `tf.distribute.MultiWorkerMirroredStrategy`, B = 3: first tried as is (Keras 3.15
-      `fit` crashes before the first step, FINDINGS 6; the error is recorded), then measured
+(b)+(c) the cluster: 3 workers capped 0.24 / 0.4 / 0.96 (the demo's cluster), four launches,
+    each with ONE multi-worker strategy object per process (see "One multi-worker strategy
+    per process" below):
+    - "cluster_stock": stock `tf.distribute.MultiWorkerMirroredStrategy`, B = 3, measured
       with an instance-level `reduce` shim that avoids only Keras's two multi-worker crashes
       (the eager reduce of a data batch in `_maybe_symbolic_build`: the local batch is
       returned, as ours does; axis=0 reduces of scalar logs: reduced with axis=None, as
-      ours does). spe 8 is tried at the very end (it fails: keras-team/keras#19246).
-    - ours, `hb.HeteroMultiWorkerMirroredStrategy`, B = 3 split [1, 1, 1] with spe 1 and 8;
-      B = 128, even [43, 43, 42] and [15, 30, 83], spe 1 and 8.
-    - (d) breakdown of ours at [1, 1, 1], spe 1, by ablation in the same rounds: without
-      `metrics=["accuracy"]` (the loss log stays), with `DynamicBatching(initial=[1, 1, 1])`
-      (min_sizes=1 admits no other split, so it only measures: a collective per 10-step
-      window), data from an in-memory `from_tensors(batch).repeat()` instead of the real
-      pipeline, and both ablations at once.
-    One strategy object per split (set once, before any data), so no split switch happens
-    between configurations.
+      ours does). At the very end it is tried as is (Keras 3.15 `fit` crashes before the
+      first step, FINDINGS 6; the error is recorded) and with the shim at spe 8 (it fails:
+      keras-team/keras#19246).
+    - "cluster_ours_1": ours, `hb.HeteroMultiWorkerMirroredStrategy`, B = 3 split [1, 1, 1]
+      with spe 1 and 8, and (d) the breakdown of ours at [1, 1, 1], spe 1, by ablation in
+      the same rounds: without `metrics=["accuracy"]` (the loss log stays), with
+      `DynamicBatching(initial=[1, 1, 1])` (min_sizes=1 admits no other split, so it only
+      measures: a collective per 10-step window), data from an in-memory
+      `from_tensors(batch).repeat()` instead of the real pipeline, and both ablations at once.
+    - "cluster_ours_even": ours, B = 128 split even [43, 43, 42], spe 1 and 8.
+    - "cluster_ours_skewed": ours, B = 128 split [15, 30, 83], spe 1 and 8.
+    The split of each launch's strategy is set once, before any data, so no split switch
+    happens between configurations.
+
+One multi-worker strategy per process: every `MultiWorkerMirroredStrategy` (ours included)
+calls `enable_collective_ops` when it is created; from the second one on, that updates the
+running server, which replaces the process's collective executor manager (TensorFlow's
+`GrpcServer::UpdateServerDef`). A peer's collective that already reached the old manager
+(e.g. the followers' part of the broadcast of a new strategy's initial variable values,
+sent before the chief's own re-enable) is lost: a hang (chief in `collective_bcast_send`,
+the others in `collective_bcast_recv`) or a "Delete called on non-empty BufRendezvous"
+error, depending on timing. Collective keys are not the cause: each strategy has its own
+`CollectiveKeys`, and two with the same key base work when the chief re-enables first.
+So no process here creates a second multi-worker strategy with peers; the one-worker
+launch (no peers, no collective) keeps its two.
 
 Every configuration: a warm-up `fit` (traces; not measured), then per round one
 `fit(steps_per_epoch=S)` on a `.repeat()`ed dataset (real pipeline:
@@ -84,6 +103,11 @@ SLOW_CAP = 0.24
 SKIP_STEPS = 8  # steps dropped at the start of every measured fit
 FIT_STEPS = 48  # steps per measured fit (full mode), a multiple of 8
 CLUSTER_B = 128
+# Default seconds from a cluster launch's start to its caps, about twice its warm-up
+# uncapped (all 11 configurations in one launch: 89 s; tiny mode, uncapped: stock 8 s,
+# ours [1,1,1] 28 s, even and skewed 16 s each).
+CLUSTER_CAP_AFTER = {"cluster_stock": 45.0, "cluster_ours_1": 60.0, "cluster_ours_even": 45.0,
+                     "cluster_ours_skewed": 45.0}
 EVEN = [43, 43, 42]
 SKEWED = [15, 30, 83]
 
@@ -119,24 +143,35 @@ def one_worker_configs():
     ]
 
 
-def cluster_configs():
+def cluster_launches():
+    """The cluster's launches: (name, configurations), one multi-worker strategy each."""
     one = [1, 1, 1]
     return [
-        _cfg("stock MWMS (shim) B3 spe1", "stock_mwms", 3, 1, group="b"),
-        _cfg("ours [1,1,1] spe1", "hetero_mwms", 3, 1, sizes=one, group="c"),
-        _cfg("ours [1,1,1] spe8", "hetero_mwms", 3, 8, sizes=one, group="c"),
-        _cfg("ours [43,43,42] spe1", "hetero_mwms", CLUSTER_B, 1, sizes=EVEN, group="c"),
-        _cfg("ours [43,43,42] spe8", "hetero_mwms", CLUSTER_B, 8, sizes=EVEN, group="c"),
-        _cfg("ours [15,30,83] spe1", "hetero_mwms", CLUSTER_B, 1, sizes=SKEWED, group="c"),
-        _cfg("ours [15,30,83] spe8", "hetero_mwms", CLUSTER_B, 8, sizes=SKEWED, group="c"),
-        _cfg("ours [1,1,1] spe1 no metrics", "hetero_mwms", 3, 1, sizes=one, metrics=False,
-             group="d"),
-        _cfg("ours [1,1,1] spe1 + DynamicBatching", "hetero_mwms", 3, 1, sizes=one,
-             callback="dynamic", group="d"),
-        _cfg("ours [1,1,1] spe1 from_tensors", "hetero_mwms", 3, 1, sizes=one,
-             data="from_tensors", group="d"),
-        _cfg("ours [1,1,1] spe1 no metrics + from_tensors", "hetero_mwms", 3, 1, sizes=one,
-             metrics=False, data="from_tensors", group="d"),
+        ("cluster_stock", [
+            _cfg("stock MWMS (shim) B3 spe1", "stock_mwms", 3, 1, group="b"),
+        ]),
+        ("cluster_ours_1", [
+            _cfg("ours [1,1,1] spe1", "hetero_mwms", 3, 1, sizes=one, group="c"),
+            _cfg("ours [1,1,1] spe8", "hetero_mwms", 3, 8, sizes=one, group="c"),
+            _cfg("ours [1,1,1] spe1 no metrics", "hetero_mwms", 3, 1, sizes=one,
+                 metrics=False, group="d"),
+            _cfg("ours [1,1,1] spe1 + DynamicBatching", "hetero_mwms", 3, 1, sizes=one,
+                 callback="dynamic", group="d"),
+            _cfg("ours [1,1,1] spe1 from_tensors", "hetero_mwms", 3, 1, sizes=one,
+                 data="from_tensors", group="d"),
+            _cfg("ours [1,1,1] spe1 no metrics + from_tensors", "hetero_mwms", 3, 1,
+                 sizes=one, metrics=False, data="from_tensors", group="d"),
+        ]),
+        ("cluster_ours_even", [
+            _cfg("ours [43,43,42] spe1", "hetero_mwms", CLUSTER_B, 1, sizes=EVEN, group="c"),
+            _cfg("ours [43,43,42] spe8", "hetero_mwms", CLUSTER_B, 8, sizes=EVEN, group="c"),
+        ]),
+        ("cluster_ours_skewed", [
+            _cfg("ours [15,30,83] spe1", "hetero_mwms", CLUSTER_B, 1, sizes=SKEWED,
+                 group="c"),
+            _cfg("ours [15,30,83] spe8", "hetero_mwms", CLUSTER_B, 8, sizes=SKEWED,
+                 group="c"),
+        ]),
     ]
 
 
@@ -173,7 +208,16 @@ def worker_main(plan_path, result_path):
     say = (lambda text: print(f"# {text}", flush=True)) if chief else (lambda text: None)
 
     # Strategies first (multi-worker ones enable collective ops: before any tensor exists),
-    # one per (kind, split), in the same order on every worker.
+    # one per (kind, split), in the same order on every worker. With peers, at most one
+    # multi-worker strategy: a second one's re-enable of collective ops loses collectives
+    # that peers already started (see the module docstring).
+    workers = sum(len(v) for v in json.loads(os.environ.get("TF_CONFIG", "{}"))
+                  .get("cluster", {}).values())
+    multi = {(c["strategy"], tuple(c["sizes"] or ())) for c in configs
+             if c["strategy"] in ("stock_mwms", "hetero_mwms")}
+    if workers > 1 and len(multi) > 1:
+        raise ValueError(f"a launch on {workers} workers may hold one multi-worker strategy "
+                         f"per process. Received: {sorted(multi)}. Fix: one launch each.")
     strategies, attempts = {}, {}
     for c in configs:
         key = (c["strategy"], tuple(c["sizes"] or ()))
@@ -189,8 +233,7 @@ def worker_main(plan_path, result_path):
             strategies[key] = hb.HeteroMultiWorkerMirroredStrategy()
         else:
             raise ValueError(f"unknown strategy kind {c['strategy']!r}")
-    # Each multi-worker strategy (re-)enables collective ops in the process: no collective
-    # may run before the last one exists (a race seen as a hang), so the splits come after.
+    # The split: a collective, so after every strategy exists.
     for (kind, sizes), strategy in strategies.items():
         if kind == "hetero_mwms":
             strategy.set_batch_sizes(list(sizes))  # a collective; before any data: from step 0
@@ -540,11 +583,15 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=None,
                         help="interleaved rounds per launch (default 5; tiny 1)")
     parser.add_argument("--cap-after", type=float, default=None,
-                        help="seconds after the start at which the cluster's caps are applied "
-                             "(default 120; the 1-process launches get 45 and 40): the "
-                             "warm-up traces run uncapped before that")
+                        help="seconds after the start at which each cluster launch's caps are "
+                             "applied (default: 45 stock, 60 ours [1,1,1], 45 ours even and "
+                             "skewed, about twice their warm-ups uncapped; the 1-process "
+                             "launches get 45 and 40): the warm-up traces run uncapped before "
+                             "that")
     parser.add_argument("--only", default="single,one_worker,cluster",
-                        help="launches to run (default all: single,one_worker,cluster)")
+                        help="launches to run, comma-separated (default all: single,"
+                             "one_worker,cluster; cluster = its four launches, or name them: "
+                             + ",".join(n for n, _ in cluster_launches()) + ")")
     parser.add_argument("--train-samples", type=int, default=12800)
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds per launch (default 1800)")
@@ -559,16 +606,18 @@ def main(argv=None):
     base = {"repeats": repeats, "seed": args.seed, "fit_steps": fit_steps, "skip_steps": skip,
             "train_samples": 1280 if tiny else args.train_samples,
             "attempt_timeout": 120.0 if tiny else 300.0}
-    cluster_cap_after = args.cap_after or 120.0
     launches = [("single", single_configs(), [SLOW_CAP], True, 45.0),
-                ("one_worker", one_worker_configs(), [SLOW_CAP], False, 40.0),
-                ("cluster", cluster_configs(), CLUSTER_CAPS, False,
-                 cluster_cap_after)]
+                ("one_worker", one_worker_configs(), [SLOW_CAP], False, 40.0)]
+    launches += [(name, configs, CLUSTER_CAPS, False,
+                  args.cap_after or CLUSTER_CAP_AFTER[name])
+                 for name, configs in cluster_launches()]
     only = set(args.only.split(","))
+    if "cluster" in only:
+        only = (only - {"cluster"}) | {n for n, _ in cluster_launches()}
     unknown = only - {n for n, *_ in launches}
     if unknown:
-        parser.error(f"--only: unknown launches {sorted(unknown)}; "
-                     "choose from single,one_worker,cluster")
+        parser.error(f"--only: unknown launches {sorted(unknown)}; choose from "
+                     "single,one_worker,cluster," + ",".join(n for n, _ in cluster_launches()))
     results, rows = {}, {}
     for name, configs, caps, single, cap_after in launches:
         if name not in only:
@@ -610,13 +659,14 @@ def main(argv=None):
                    else bool(v <= TARGET and round_ratios[k] <= TARGET))
                for k, v in ratios.items() if "plain" in k and "spe8 / plain b1 spe1" not in k}
 
-    attempts = results["cluster"]["attempts"] if "cluster" in results else {}
+    attempts = results["cluster_stock"]["attempts"] if "cluster_stock" in results else {}
     lines = [f"bench_fixed_cost, {when}: CNN16, Adam, 1 thread per process, seed {args.seed}; "
              f"{repeats} interleaved rounds per launch, each a fit of {fit_steps} steps with the "
              f"first {skip} dropped; ms per step = median over the measured Keras calls "
-             "(call time / steps it covered); rounds = min-max of per-round medians."
-             + (" TINY MODE: no caps." if tiny else ""), ""]
-    header = ["configuration", "caps", "per-worker batch", "spe", "ms/step median",
+             "(call time / steps it covered); rounds = min-max of per-round medians. "
+             "Launches ran one after the other in this order, one multi-worker strategy per "
+             "process." + (" TINY MODE: no caps." if tiny else ""), ""]
+    header = ["configuration", "launch", "caps", "per-worker batch", "spe", "ms/step median",
               "mean", "rounds (min-max)", "steps", "collectives/step",
               "busy ms, 0.24 worker"]
     table_rows = []
@@ -632,13 +682,14 @@ def main(argv=None):
                 coll = f"{s['collective_ops_per_step']:g}" + (
                     f" ({s['collective_ops_in_step']} step + {fetch:g} fetch)" if fetch else "")
             busy = s.get("busy_ms_per_replica")
-            table_rows.append([f"({s['group']}) {c['name']}", caps, per_worker, c["spe"],
-                               fmt(s["median_ms"]), fmt(s["mean_ms"]),
+            table_rows.append([f"({s['group']}) {c['name']}", name, caps, per_worker,
+                               c["spe"], fmt(s["median_ms"]), fmt(s["mean_ms"]),
                                bc.fmt_stats(s["round_medians_ms"], digits=1), s["steps"],
                                coll, fmt(busy[0]) if busy else "-"])
-    lines += bc.table(header, table_rows, ["---", "---", "---", "---:", "---:", "---:", "---:",
-                                           "---:", "---:", "---:"])
-    lines += ["", "Ratios:", ""]
+    lines += bc.table(header, table_rows, ["---", "---", "---", "---", "---:", "---:", "---:",
+                                           "---:", "---:", "---:", "---:"])
+    lines += ["", "Ratios (each between two launches run one after the other, not between "
+              "interleaved rounds):", ""]
     lines += bc.table(["ratio", "of pooled medians", "of per-round medians",
                        f"target <= {TARGET:g}"],
                       [[k, fmt(v, 2), fmt(round_ratios[k], 2), "-" if k not in targets else
