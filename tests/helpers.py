@@ -126,7 +126,7 @@ def stock_mirrored(devices):
     Stock strategies in one process share collective keys and can clash ("Shape mismatch in
     the collective instance 100"); tf_hetbatch strategies avoid it the same way.
     """
-    from tf_hetbatch import _compat
+    from tf_hetbatch.distribute import _compat
 
     strategy = tf.distribute.MirroredStrategy.__new__(tf.distribute.MirroredStrategy)
     _compat.assign_collective_key_base(strategy)

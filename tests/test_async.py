@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_hetbatch import run_checkpoint
+from tf_hetbatch.training import run_checkpoint
 from tf_hetbatch.launch import launch
 
 HERE = os.path.join(os.path.dirname(__file__), "workers")

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_hetbatch as hb
-from tf_hetbatch import server
+from tf_hetbatch.launch import server
 
 
 def test_staleness_statistics_per_worker():
@@ -49,7 +49,7 @@ def test_server_rejects_bad_tf_config_naming_the_fix(config, message):
 
 def test_server_command_line_reports_a_missing_tf_config():
     env = {"PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "tf_hetbatch.server"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "tf_hetbatch.launch.server"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "TF_CONFIG is not set" in proc.stderr
 

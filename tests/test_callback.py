@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import tf_hetbatch as hb
 from helpers import build_under, dense_model, max_weight_diff, regression_data
-from tf_hetbatch.controllers import ControllerState
+from tf_hetbatch.core.controllers import ControllerState
 
 COSTS = (1, 2, 4)
 GLOBAL_BATCH = 84

@@ -15,7 +15,7 @@ import pytest
 import tf_hetbatch as hb
 from helpers import build_under, dense_model, regression_data
 from test_summaries import get_json, start_tensorboard
-from tf_hetbatch import summaries
+from tf_hetbatch.dashboards import summaries
 
 NUM_REPLICAS = 3
 

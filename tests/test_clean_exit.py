@@ -1,4 +1,4 @@
-"""A successful multi-worker run ends quietly (tf_hetbatch.clean_exit), with real processes."""
+"""A successful multi-worker run ends quietly (`distribute.clean_exit`), with real processes."""
 
 import io
 import json
@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from tf_hetbatch import clean_exit
+from tf_hetbatch.distribute import clean_exit
 from tf_hetbatch.launch import launch
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "mw_exit.py")

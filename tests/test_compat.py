@@ -1,4 +1,4 @@
-"""Canaries for every private API use and upstream workaround in tf_hetbatch._compat.
+"""Canaries for every private API use and upstream workaround in tf_hetbatch.distribute._compat.
 
 Each test pins the upstream behaviour a workaround relies on or works around. When one fails
 after an upgrade, read the matching section of _compat.py: the workaround may be obsolete
@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_hetbatch as hb
-from tf_hetbatch import _compat
+from tf_hetbatch.distribute import _compat
 from helpers import build_under, dense_model, regression_data, stock_mirrored
 
 
@@ -256,7 +256,7 @@ def test_next_as_optional_reads_what_it_needs(cpus):
 
 
 def test_tf_data_pipeline_structure_is_readable_from_its_python_objects():
-    # tf_hetbatch.input_work moves per-sample maps after the split by reading this structure.
+    # distribute.input_work moves per-sample maps after the split by reading this structure.
     ds = tf.data.Dataset.from_tensor_slices(np.arange(10)).shuffle(10, seed=1)
     ds = ds.map(lambda x: x * 2, num_parallel_calls=3, deterministic=False).batch(4).prefetch(2)
     steps = _compat.pipeline_steps(ds)
@@ -302,7 +302,7 @@ def test_keras_array_input_is_index_batches_zipped_with_the_arrays_then_gathered
 
 def test_coordination_barrier_is_the_context_method():
     """`_compat.wait_at_coordination_barrier` (tensorflow/tensorflow#58434, used by
-    tf_hetbatch.clean_exit at exit): the eager context's `wait_at_barrier(barrier_id,
+    tf_hetbatch.distribute.clean_exit at exit): the eager context's `wait_at_barrier(barrier_id,
     timeout_in_ms)` reaches the coordination service's barrier; in a process without one it
     fails at once (test_clean_exit runs the barrier in a real two-worker job)."""
     import inspect

@@ -13,11 +13,11 @@ import json
 import numpy as np
 import pytest
 
-from tf_hetbatch._stats import t_quantile
-from tf_hetbatch.controllers import (ControllerConfig, ControllerState, ModelBasedController,
-                                     ProportionalController, equal_finish, level_fill)
-from tf_hetbatch.sim import ClusterModel, Slowdown, scenario, simulate
-from tf_hetbatch.split import split_evenly, split_proportionally, water_fill
+from tf_hetbatch.core._stats import t_quantile
+from tf_hetbatch.core.controllers import (ControllerConfig, ControllerState, ModelBasedController,
+                                          ProportionalController, equal_finish, level_fill)
+from tf_hetbatch.core.sim import ClusterModel, Slowdown, scenario, simulate
+from tf_hetbatch.core.split import split_evenly, split_proportionally, water_fill
 
 CONTROLLERS = [ProportionalController, ModelBasedController]
 STEPS = 600  # 60 windows of 10 steps
@@ -112,7 +112,8 @@ def test_a_single_ten_times_outlier_moves_nothing():
 
 def test_switch_lags_up_to_beyond_a_window_keep_every_invariant():
     sc = scenario("interference", 8, 400, 0)
-    for lag in (0, 8, 12, 25):  # 8: a multi-worker switch (SWITCH_MARGIN) in 10-step windows
+    # 8: a multi-worker switch (the default `switch_margin` of HeteroMultiWorkerMirroredStrategy)
+    for lag in (0, 8, 12, 25):  # in 10-step windows
         bounded = simulate(ModelBasedController(max_sizes=120), sc.cluster, 400, seed=0,
                            global_batch=512, switch_lag=lag)
         assert np.all(bounded.sizes.sum(axis=1) == 512) and bounded.sizes.max() <= 120

@@ -15,7 +15,7 @@ from typing import Dict, List
 
 import pytest
 
-from tf_hetbatch import summaries
+from tf_hetbatch.dashboards import summaries
 from test_summaries import (
     NUM_REPLICAS,
     start_tensorboard,

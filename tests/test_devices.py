@@ -1,10 +1,10 @@
-"""Tests for tf_hetbatch.devices: nominal CPU/GPU peaks from injected system files."""
+"""Tests for tf_hetbatch.core.devices: nominal CPU/GPU peaks from injected system files."""
 
 import dataclasses
 
 import pytest
 
-from tf_hetbatch.devices import DeviceCapability, cpu_capability, gpu_capability
+from tf_hetbatch.core.devices import DeviceCapability, cpu_capability, gpu_capability
 
 
 def _cpuinfo(n=4, flags="fpu sse sse2", mhz="2000.000", model="Some CPU"):

@@ -1,4 +1,4 @@
-"""Input work after the split (tf_hetbatch.input_work), in one process.
+"""Input work after the split (tf_hetbatch.distribute.input_work), in one process.
 
 Each worker's view is built as its strategy builds it (`split_global_batches` with the
 worker's replica range and the worker's `InputPlan`) and compared with the unsplit pipeline's
@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tf_hetbatch as hb
-from tf_hetbatch import input_split, input_work
+from tf_hetbatch.distribute import input_split, input_work
 
 K = 3
 B = 12

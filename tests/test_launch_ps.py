@@ -3,7 +3,7 @@
 The fast tests run real processes on 127.0.0.1 with tiny Python scripts: a chief script, and
 a fake server given as ``server_command`` (it binds its TF_CONFIG address like a real server,
 records what it saw and serves until SIGTERM). One test runs a real TensorFlow
-ParameterServerStrategy cluster with ``python -m tf_hetbatch.server``.
+ParameterServerStrategy cluster with ``python -m tf_hetbatch.launch.server``.
 """
 
 import glob
@@ -29,7 +29,7 @@ from helpers import cgroups_writable, our_children
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
 
-# A stand-in for `python -m tf_hetbatch.server`: binds and listens on its TF_CONFIG address,
+# A stand-in for `python -m tf_hetbatch.launch.server`: binds and listens on its TF_CONFIG address,
 # writes <out>/<role><index>-<pid>.json, serves until SIGTERM (then exits 0). Options:
 #   --die ROLE:INDEX:SECONDS:HOW   that task ends itself after SECONDS (HOW: kill or a code)
 #   --busy ROLE:INDEX:SECONDS      that task busy-loops first, then writes its CPU use to
@@ -432,7 +432,7 @@ def test_cli_preemption_without_ps_exits_with_the_signal_status(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_stock_parameter_server_strategy_trains_on_a_launched_cluster():
-    """Real TensorFlow: chief + 1 ps + 2 workers (`python -m tf_hetbatch.server`)."""
+    """Real TensorFlow: chief + 1 ps + 2 workers (`python -m tf_hetbatch.launch.server`)."""
     out, err = io.StringIO(), io.StringIO()
     t0 = time.monotonic()
     result = launch([os.path.join(WORKERS, "ps_stock_chief.py"), "--steps", "50"], 2,

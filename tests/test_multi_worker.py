@@ -69,7 +69,7 @@ def test_two_workers_exact_with_a_switch_at_the_same_step(tmp_path):
     ids = np.concatenate([w["ids"] for w, _ in outputs])
     np.testing.assert_array_equal(np.bincount(ids, minlength=320), np.full(320, 2))
     # The switch landed at the same step on both workers: step 4 + DEFAULT_SWITCH_MARGIN.
-    from tf_hetbatch.multi_worker import DEFAULT_SWITCH_MARGIN
+    from tf_hetbatch.distribute.multi_worker import DEFAULT_SWITCH_MARGIN
 
     samples = [info["samples"] for _, info in outputs]
     assert samples[0] == samples[1]
@@ -123,7 +123,7 @@ def test_switch_right_after_a_validation_pass(tmp_path):
     )
     ref = reference_weights()
     assert_every_worker_equals(ref, outputs)
-    from tf_hetbatch.multi_worker import DEFAULT_SWITCH_MARGIN
+    from tf_hetbatch.distribute.multi_worker import DEFAULT_SWITCH_MARGIN
 
     samples = [info["samples"] for _, info in outputs]
     assert samples[0] == samples[1]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tf_hetbatch import plot
-from tf_hetbatch.plot import __main__ as plot_cli
+from tf_hetbatch import plot as plot_cli
+from tf_hetbatch.dashboards import plot
 from test_summaries import NUM_REPLICAS, write_synthetic_balance_run
 
 
@@ -83,3 +83,15 @@ def test_missing_matplotlib_says_how_to_install(balance_log, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install tf_hetbatch\[plot\]"):
         plot.plot_balance(log_dir)
+
+
+def test_cli_runs_as_python_dash_m_tf_hetbatch_plot():
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "tf_hetbatch.plot", "--help"], cwd=repo,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "python -m tf_hetbatch.plot" in proc.stdout and "--out" in proc.stdout

@@ -1,4 +1,4 @@
-"""The strategies implement the public protocols their users rely on (tf_hetbatch.protocols)."""
+"""The strategies implement the public protocols their users rely on (core.protocols)."""
 
 import re
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import tf_hetbatch as hb
-from tf_hetbatch import protocols
-from tf_hetbatch._validate import check_int
+from tf_hetbatch.core import protocols
+from tf_hetbatch.core._validate import check_int
 
 
 def _members(protocol):

@@ -19,9 +19,9 @@ import pytest
 import tensorflow as tf
 
 import tf_hetbatch as hb
-from tf_hetbatch import legacy_checkpoint
+from tf_hetbatch.training import legacy_checkpoint
+from tf_hetbatch.training.recovery import ResumableCheckpoint
 from tf_hetbatch.launch import launch
-from tf_hetbatch.recovery import ResumableCheckpoint
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "resume_train.py")
 sys.path.insert(0, os.path.dirname(WORKER))
@@ -426,7 +426,7 @@ def test_restore_needs_a_tf_hetbatch_strategy(tmp_path):
 
 
 def test_a_local_notice_is_due_at_the_next_step_boundary_and_restores_the_handler():
-    from tf_hetbatch.preemption import PreemptionNotice
+    from tf_hetbatch.training.preemption import PreemptionNotice
 
     handler = signal.getsignal(signal.SIGTERM)
     notice = PreemptionNotice(None)
@@ -444,7 +444,7 @@ def test_a_local_notice_is_due_at_the_next_step_boundary_and_restores_the_handle
 
 
 def test_only_a_synchronous_cluster_agrees_on_the_step():
-    from tf_hetbatch.preemption import PreemptionNotice
+    from tf_hetbatch.training.preemption import PreemptionNotice
 
     def resolver(jobs, task_type="worker", task_id=1):
         spec = tf.train.ClusterSpec({job: [f"127.0.0.1:{1000 + i}" for i in range(n)]

@@ -1,13 +1,13 @@
-"""Tests for tf_hetbatch.sim: the simulator's bookkeeping, effects and references."""
+"""Tests for tf_hetbatch.core.sim: the simulator's bookkeeping, effects and references."""
 
 import itertools
 
 import numpy as np
 import pytest
 
-from tf_hetbatch.controllers import ModelBasedController, ProportionalController
-from tf_hetbatch.sim import (SCENARIOS, ClusterModel, Slowdown, best_split, ideal_split,
-                             scenario, simulate)
+from tf_hetbatch.core.controllers import ModelBasedController, ProportionalController
+from tf_hetbatch.core.sim import (SCENARIOS, ClusterModel, Slowdown, best_split, ideal_split,
+                                  scenario, simulate)
 
 
 def _random_cluster(rng, k, **kwargs):

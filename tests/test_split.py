@@ -1,10 +1,10 @@
-"""Tests for tf_hetbatch.split: exact sums, bounds, proportionality, clear errors."""
+"""Tests for tf_hetbatch.core.split: exact sums, bounds, proportionality, clear errors."""
 
 import numpy as np
 import pytest
 
-from tf_hetbatch.split import (equal_finish_level, round_preserving_sum, split_evenly,
-                               split_proportionally, validate_sizes, water_fill)
+from tf_hetbatch.core.split import (equal_finish_level, round_preserving_sum, split_evenly,
+                                    split_proportionally, validate_sizes, water_fill)
 
 
 def _random_cases(n=300):

@@ -413,7 +413,7 @@ def test_predict_any_batch_size_matches_one_device_in_input_order(cpus, batch):
 def test_the_pipeline_splits_any_batch_by_floor_or_ceiling_shares(sizes):
     # The rule the input pipeline applies to a batch of n samples (training's partial last
     # batch, evaluation batches of any size), checked against its definition for every n.
-    from tf_hetbatch import input_split
+    from tf_hetbatch.distribute import input_split
 
     k = len(sizes)
     total = sum(sizes)

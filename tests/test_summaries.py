@@ -19,9 +19,9 @@ from typing import Callable, Dict, List, Tuple
 import numpy as np
 import pytest
 
-from tf_hetbatch import summaries
-from tf_hetbatch.plot import read_balance
-from tf_hetbatch.summaries import BalanceWriter
+from tf_hetbatch.dashboards import summaries
+from tf_hetbatch.dashboards.plot import read_balance
+from tf_hetbatch.dashboards.summaries import BalanceWriter
 
 NUM_REPLICAS = 3
 NUM_WINDOWS = 60

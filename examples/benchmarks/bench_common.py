@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tf_hetbatch import split  # noqa: E402  (pure Python + numpy)
+from tf_hetbatch.core import split  # noqa: E402  (pure Python + numpy)
 from tf_hetbatch.launch import launch  # noqa: E402  (pure Python: no TensorFlow)
 
 WORKER = os.path.join(HERE, "hetero_worker.py")
@@ -252,7 +252,7 @@ def fit_time_models(phases, k):
 
 def equal_finish(alpha, beta, total):
     """Real-valued split with equal alpha_k + beta_k b_k (replicas that would go < 0 get 0):
-    (the finish time, the split), by `tf_hetbatch.split.equal_finish_level`."""
+    (the finish time, the split), by `tf_hetbatch.core.split.equal_finish_level`."""
     return split.equal_finish_level(float(total), alpha, 1.0 / np.asarray(beta, np.float64))
 
 

@@ -1,6 +1,6 @@
 """Benchmark of the batch-size controllers in the simulator (pure numpy, no TensorFlow).
 
-For each scenario of `tf_hetbatch.sim.scenario` (linear CPU, affine GPU-like, CPU+GPU mix,
+For each scenario of `tf_hetbatch.core.sim.scenario` (linear CPU, affine GPU-like, CPU+GPU mix,
 CPU quotas in periods with a collective, interference and recovery, +-10% noise) and each
 cluster size, from the even split, compares the policies `uniform` (keep the even split),
 `static` (split proportional to nominal capacity 1/beta, i.e. FLOPs, then keep it),
@@ -27,9 +27,9 @@ import time
 
 import numpy as np
 
-from tf_hetbatch.controllers import ModelBasedController, ProportionalController
-from tf_hetbatch.sim import scenario, simulate
-from tf_hetbatch.split import split_evenly, split_proportionally
+from tf_hetbatch.core.controllers import ModelBasedController, ProportionalController
+from tf_hetbatch.core.sim import scenario, simulate
+from tf_hetbatch.core.split import split_evenly, split_proportionally
 
 PER_REPLICA_BATCH = 64
 TOLERANCE = 0.05

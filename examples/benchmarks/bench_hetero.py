@@ -46,7 +46,7 @@ ARMS = ("best", "dynamic", "dyn-defaults")
 
 def grid_splits(batch, caps, exponents, min_size=1):
     """Splits b_k ~ cap_k ** p for each exponent p (distinct, each >= min_size)."""
-    from tf_hetbatch.split import split_proportionally  # pure Python
+    from tf_hetbatch.core.split import split_proportionally  # pure Python
 
     seen, out = set(), []
     for p in exponents:

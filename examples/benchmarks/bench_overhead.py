@@ -56,7 +56,7 @@ def single_host(args, tiny, blocks):
     import fashion_mnist
     import tf_hetbatch as hb
     from hetero_worker import build_model
-    from tf_hetbatch import _compat
+    from tf_hetbatch.distribute import _compat
 
     devices = ["/cpu:0", "/cpu:1"]
     block = args.steps if tiny else 10

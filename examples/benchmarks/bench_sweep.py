@@ -49,7 +49,7 @@ def sweep_caps(h, workers, total):
 
 
 def proportional(batch, caps):
-    from tf_hetbatch.split import split_proportionally
+    from tf_hetbatch.core.split import split_proportionally
 
     return [int(s) for s in split_proportionally(batch, caps, min_sizes=1)]
 

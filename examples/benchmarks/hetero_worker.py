@@ -44,7 +44,7 @@ import tensorflow as tf  # noqa: E402
 
 import fashion_mnist  # noqa: E402
 import tf_hetbatch as hb  # noqa: E402
-from tf_hetbatch import multi_worker  # noqa: E402
+from tf_hetbatch.distribute import multi_worker  # noqa: E402
 from train_fashion_mnist import make_model  # noqa: E402
 
 

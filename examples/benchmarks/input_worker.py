@@ -52,7 +52,7 @@ import tensorflow as tf  # noqa: E402
 import fashion_mnist  # noqa: E402
 import tf_hetbatch as hb  # noqa: E402
 from hetero_worker import build_model, make_strategy, parse_plan_args, wait_until  # noqa: E402
-from tf_hetbatch import multi_worker  # noqa: E402
+from tf_hetbatch.distribute import multi_worker  # noqa: E402
 
 # What a window reports per worker: the meter's four totals and the process's rchar.
 FIELDS = fashion_mnist.InputMeter.FIELDS + ("rchar",)

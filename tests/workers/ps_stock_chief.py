@@ -1,7 +1,7 @@
 """Chief of a ParameterServerStrategy cluster for the launcher test, with STOCK TensorFlow only.
 
 Run by ``tf_hetbatch.launch`` with ``num_ps >= 1``: TF_CONFIG names this task the "chief",
-and the ps and worker tasks run ``python -m tf_hetbatch.server``. Builds a one-layer Keras 3
+and the ps and worker tasks run ``python -m tf_hetbatch.launch.server``. Builds a one-layer Keras 3
 model under ``ParameterServerStrategy.scope()``, schedules ``--steps`` training steps on the
 workers through a ``ClusterCoordinator`` (each step runs ``strategy.run``, which Keras 3
 optimizers need), joins, and prints ``final loss <value>``.

@@ -26,7 +26,7 @@ import tensorflow as tf  # noqa: E402
 
 import mw_train  # noqa: E402  (same directory: on sys.path as the script's own)
 import tf_hetbatch as hb  # noqa: E402
-from tf_hetbatch.recovery import ResumableCheckpoint  # noqa: E402
+from tf_hetbatch.training.recovery import ResumableCheckpoint  # noqa: E402
 
 
 def build(sink=None, steps_per_execution=1):
@@ -108,7 +108,7 @@ def main():
     record = os.path.join(args.out, f"worker{index}.attempt{attempt}")
     events = Events(strategy, die, args.stop_step, term, record + ".json")
     x, y = mw_train.data(args.n)
-    # A per-sample map: each worker runs it on its own samples only (tf_hetbatch.input_work),
+    # A per-sample map: each worker runs it on its own samples only (distribute.input_work),
     # and a resumed epoch skips its trained batches before any of that work.
     ds = tf.data.Dataset.from_tensor_slices((x * 2.0, y)).map(
         lambda a, b: (a * 0.5, b), num_parallel_calls=2).batch(args.batch)

@@ -6,7 +6,7 @@ it, so the same script runs unchanged on a real cluster. Two kinds of cluster:
 * synchronous (default): N worker processes all run the script
   (MultiWorkerMirroredStrategy). If a worker fails, the others are stopped.
 * asynchronous (``num_ps >= 1``): a chief runs the script, ``num_ps`` parameter servers and
-  N workers run ``python -m tf_hetbatch.server`` (ParameterServerStrategy). The chief's exit
+  N workers run ``python -m tf_hetbatch.launch.server`` (ParameterServerStrategy). The chief's exit
   decides the outcome; a ps failure is fatal; a worker that dies is only logged, since the
   coordinator moves its work to the other workers.
 
@@ -42,7 +42,8 @@ import threading
 import time
 from typing import IO, List, Mapping, Optional, Sequence, Tuple, Union
 
-from tf_hetbatch._validate import check_int
+from tf_hetbatch.core._validate import check_int
+from tf_hetbatch.training.preemption import RESTART_EXIT_CODE
 from tf_hetbatch.launch import cluster
 from tf_hetbatch.launch.cpu_caps import CAP_METHODS, make_caps
 from tf_hetbatch.launch.schedule import (Cap, CapChange, Preemption, parse_cpus,
@@ -50,7 +51,6 @@ from tf_hetbatch.launch.schedule import (Cap, CapChange, Preemption, parse_cpus,
                                          validate_preemptions, validate_schedule)
 from tf_hetbatch.launch.supervisor import (PreemptionPlan, TaskSpec, WorkerExit, run_attempt,
                                            signal_name)
-from tf_hetbatch.preemption import RESTART_EXIT_CODE
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def launch(script_argv: Sequence[str], num_workers: int,
             ``max_restarts`` applies) and ``+D`` restarts are not allowed. A restarted
             worker keeps its CPU cap.
         server_command: command of the ps and worker tasks (each gets its TF_CONFIG in the
-            environment); default ``[python, "-m", "tf_hetbatch.server"]``. Only with
+            environment); default ``[python, "-m", "tf_hetbatch.launch.server"]``. Only with
             ``num_ps >= 1``.
 
     Returns:
@@ -288,7 +288,7 @@ def _server_command(command: Optional[Sequence[str]], num_ps: int,
     if isinstance(command, str) or not command or not all(
             isinstance(a, str) for a in command):
         raise ValueError(f"`server_command` must be a non-empty list of strings, e.g. "
-                         f"[sys.executable, '-m', 'tf_hetbatch.server']. "
+                         f"[sys.executable, '-m', 'tf_hetbatch.launch.server']. "
                          f"Received: server_command={command!r}")
     return list(command)
 

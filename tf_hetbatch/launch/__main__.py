@@ -10,7 +10,7 @@ Also installed as ``tf-hetbatch-launch``. Examples::
     tf-hetbatch-launch --workers 2 --preempt 60:1/term --grace 30 train.py   # with notice
 
     # ParameterServerStrategy: the chief runs train_ps.py; 1 ps and 3 workers run
-    # `python -m tf_hetbatch.server`. Worker 2 is preempted at 30 s and back at 45 s.
+    # `python -m tf_hetbatch.launch.server`. Worker 2 is preempted at 30 s and back at 45 s.
     tf-hetbatch-launch --ps 1 --workers 3 --cpus 0.9,0.5,0.2 --preempt "30:2+15" train_ps.py
 
 Exit status: 0 only if all workers exit 0 (with --ps: the chief exits 0); otherwise the
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ps", type=int, default=0, metavar="N",
                    help="number of parameter servers; N >= 1 starts a ParameterServerStrategy "
                         "cluster: a chief runs the script, N ps and the workers run "
-                        "`python -m tf_hetbatch.server`; the chief's exit decides, a ps "
+                        "`python -m tf_hetbatch.launch.server`; the chief's exit decides, a ps "
                         "failure is fatal, a lost worker is only logged (default 0: workers "
                         "only, MultiWorkerMirroredStrategy)")
     p.add_argument("--cpus", metavar="C0,C1,...",

@@ -6,7 +6,7 @@ managed service) would give it: a ``TF_CONFIG`` environment variable of the form
 (MultiWorkerMirroredStrategy), or with parameter servers
 ``{"cluster": {"chief": [...], "ps": [...], "worker": [...]}, "task": {"type": "ps",
 "index": 0}}`` (ParameterServerStrategy: the chief runs the script, ps and worker tasks run
-``python -m tf_hetbatch.server``).
+``python -m tf_hetbatch.launch.server``).
 
 Pure Python stdlib: no TensorFlow.
 """
@@ -21,7 +21,7 @@ HOST = "127.0.0.1"
 RESTART_ENV = "TF_HETBATCH_RESTART"
 THREAD_ENVS = ("TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS", "OMP_NUM_THREADS")
 ROLES = ("chief", "ps", "worker")
-SERVER_MODULE = "tf_hetbatch.server"
+SERVER_MODULE = "tf_hetbatch.launch.server"
 
 
 class PortReservation:
@@ -85,7 +85,7 @@ def task_tf_config(spec: Mapping[str, Sequence[str]], role: str, index: int) -> 
 
 
 def server_command(python: Optional[str] = None) -> List[str]:
-    """Command of a ps or worker task: ``[python, "-m", "tf_hetbatch.server"]``."""
+    """Command of a ps or worker task: ``[python, "-m", "tf_hetbatch.launch.server"]``."""
     return [python or sys.executable, "-m", SERVER_MODULE]
 
 

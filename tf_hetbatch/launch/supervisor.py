@@ -26,10 +26,10 @@ import threading
 import time
 from typing import IO, List, Mapping, Optional, Sequence, Tuple
 
+from tf_hetbatch.training.preemption import RESTART_EXIT_CODE
 from tf_hetbatch.launch import cluster
 from tf_hetbatch.launch.cpu_caps import CpuCaps
 from tf_hetbatch.launch.schedule import Cap, CapChange, Preemption
-from tf_hetbatch.preemption import RESTART_EXIT_CODE
 
 logger = logging.getLogger(__name__)
 

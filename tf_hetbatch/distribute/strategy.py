@@ -1,0 +1,749 @@
+"""HeteroMirroredStrategy: MirroredStrategy with uneven, exactly weighted per-replica batches."""
+
+import logging
+import weakref
+from typing import Optional, Sequence, Tuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_hetbatch.core import _validate
+from tf_hetbatch.core import split
+from tf_hetbatch.core.measurements import ReplicaTimes
+from tf_hetbatch.distribute import _compat
+from tf_hetbatch.distribute import device_peaks
+from tf_hetbatch.distribute import input_split
+from tf_hetbatch.distribute import input_work
+from tf_hetbatch.distribute import timing
+from tf_hetbatch.distribute import weighting
+
+logger = logging.getLogger(__name__)
+
+# One host: a split set now applies to the global batches produced after it. The split
+# pipeline ends on a one-global-batch prefetch (`input_split.split_global_batches`), the
+# distributed iterator buffers one more, one is in flight: at most 3 steps.
+ONE_HOST_SWITCH_LAG_STEPS = 3
+
+
+class HeteroMixin:
+    """What both synchronous tf_hetbatch strategies add to their stock base class.
+
+    They implement `tf_hetbatch.core.protocols.SynchronousSplitStrategy`. The host class calls
+    `_init_hetero()` after its stock constructor. Subclasses for several workers override the
+    topology hooks at the end.
+    """
+
+    def _init_hetero(self):
+        num_replicas = self.num_replicas_in_sync
+        self._allocation = input_split.Allocation(
+            num_replicas, self._host_device(), keyed_by_step=self._keyed_by_step()
+        )
+        self._batch_sizes: Optional[Tuple[int, ...]] = None
+        # Set once a model with plain BatchNormalization trains: no replica may get 0 samples.
+        self._needs_nonempty_replicas = False
+        self._data_global_batch: Optional[int] = None
+        # False once the training data's per-sample work runs after the split: its sample
+        # weights are then known per worker only (see the multi-worker `_step_total`).
+        self._weights_in_pipeline = True
+        self._said_unsplit = weakref.WeakSet()  # datasets whose unsplit input was logged
+        self._split_input_work = True
+        self._timing = timing.TimingAccumulators(
+            self, self.num_local_replicas, from_release=self._time_from_release()
+        )
+
+    # ----------------------------------------------------------------- the split ---------------
+    @property
+    def asynchronous(self) -> bool:
+        """False: every replica runs every step (`protocols.SynchronousSplitStrategy`)."""
+        return False
+
+    @property
+    def num_local_replicas(self) -> int:
+        """Replicas of this process: all replicas in sync on one host, this worker's across
+        workers."""
+        return len(self.extended.worker_devices)
+
+    @property
+    def batch_sizes(self) -> Optional[Tuple[int, ...]]:
+        """The current per-replica batch sizes, in replica order.
+
+        Until `set_batch_sizes` is called, the even split of the data's global batch size
+        (the first `B % K` replicas get one sample more), or None while that size is unknown.
+        A partial last batch is split in proportion to these sizes, and so is every batch of
+        evaluation data (Keras `evaluate`, `predict`, `fit`'s validation), whatever its size.
+        """
+        if self._batch_sizes is not None:
+            return self._batch_sizes
+        if self._data_global_batch is not None:
+            return split.split_evenly(self._data_global_batch, self.num_replicas_in_sync)
+        return None
+
+    @property
+    def num_parts(self) -> int:
+        """Number of parts each global batch is split into: the replicas in sync."""
+        return self.num_replicas_in_sync
+
+    @property
+    def global_batch_size(self) -> Optional[int]:
+        """The global batch size: sum of the sizes set, else the data's (None while unknown)."""
+        if self._batch_sizes is not None:
+            return sum(self._batch_sizes)
+        return self._data_global_batch
+
+    def set_batch_sizes(self, sizes: Sequence[int]) -> None:
+        """Sets the per-replica batch sizes: how each global batch is split from now on.
+
+        Callable at any time, also during `fit` (e.g. from a callback). No retrace, no restart:
+        the input pipeline reads the sizes once per global batch, so the change reaches the
+        replicas with the global batches produced after the call, typically 2 to 4 steps later
+        (the distributed iterator prefetches). Gradient weights and timing always follow the
+        actual batch shapes of each step, so that lag never costs exactness.
+
+        Args:
+            sizes: one non-negative int per replica, in replica order, summing to the global
+                batch size of the data (checked now if the data is known, else when it arrives).
+
+        Raises:
+            ValueError: wrong length, negative or non-integer sizes, or a sum other than the
+                data's global batch size.
+        """
+        sizes = split.validate_sizes(
+            sizes, self.num_replicas_in_sync, self._data_global_batch
+        )
+        if self._needs_nonempty_replicas:
+            _check_nonempty_sizes(sizes)
+        self._apply_batch_sizes(sizes)
+
+    def _apply_batch_sizes(self, sizes):
+        self._allocation.install(sizes, self._switch_start())
+        self._batch_sizes = tuple(sizes)
+        logger.debug("batch sizes set to %s", self._batch_sizes)
+
+    @property
+    def split_input_work(self) -> bool:
+        """Whether each worker does the per-sample input work of its own samples only.
+
+        True by default: for the pipelines `input_work` recognises (per-sample
+        maps right before `batch`, Keras's array input, `split_here()`), every worker reads the
+        same global batches but decodes and augments only its own replicas' samples. False
+        runs every pipeline as written on every worker (each then keeps its slices), e.g. to
+        measure the difference. Set it before the data is distributed (before `fit`).
+        """
+        return self._split_input_work
+
+    @split_input_work.setter
+    def split_input_work(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"`split_input_work` must be True or False. Received: {value!r}. Fix: "
+                "strategy.split_input_work = False to run every pipeline unsplit."
+            )
+        self._split_input_work = value
+
+    # ----------------------------------------------------------------- resuming ----------------
+    @property
+    def steps_trained(self) -> int:
+        """Training steps run under this strategy (all fits), or as set by `resume_at`."""
+        return int(self._allocation.trained.numpy())
+
+    def resume_at(self, steps_trained: int, skip_batches: int = 0) -> None:
+        """Prepares to resume an interrupted run (used by `tf_hetbatch.ResumableCheckpoint`).
+
+        Args:
+            steps_trained: the global step the checkpoint was written at; multi-worker split
+                switches are keyed to it, so every worker must pass the same value.
+            skip_batches: global batches the next data iterator drops first: the batches of
+                the interrupted epoch that were already trained. Cleared by the next train step.
+
+        Raises:
+            ValueError: negative values.
+        """
+        fix = "pass the step and the batches of the epoch recorded in the checkpoint."
+        steps_trained = _validate.check_int("steps_trained", steps_trained, 0, fix)
+        skip_batches = _validate.check_int("skip_batches", skip_batches, 0, fix)
+        self._allocation.trained.assign(steps_trained)
+        self._allocation.skip.assign(skip_batches)
+
+    # ----------------------------------------------------------------- timing ------------------
+    def read_replica_times(self, reset: bool = False) -> ReplicaTimes:
+        """Per-replica compute time, samples and steps accumulated by training steps.
+
+        Compute time runs from a replica's step start to its local gradients being ready,
+        before the all-reduce: its own work per step, without waiting for others. The step
+        starts when the replica's inputs are there on one host, and when the previous
+        all-reduce released the replica across workers (see `tf_hetbatch.distribute.timing`). Read
+        between steps (e.g. from a callback).
+
+        Args:
+            reset: if True, subtract what was read, so the next read covers only later steps.
+
+        Returns:
+            `ReplicaTimes` over all replicas in sync, in replica order.
+        """
+        return self._read_times(reset, None)[0]
+
+    def read_replica_times_and_gather(
+            self, local_values, reset: bool = False) -> Tuple[ReplicaTimes, np.ndarray]:
+        """`read_replica_times(reset)` and `gather_replica_values(local_values)` at once.
+
+        The values are gathered in the same collective as the times, so a callback that needs
+        another per-replica value at the same point (e.g. each worker's step time, as
+        `DynamicBatching` does) costs the cluster one collective, not two. In multi-worker
+        training every worker must call it at the same point.
+
+        Args:
+            local_values: float array [num_local_replicas] (or [num_local_replicas, n]).
+            reset: as for `read_replica_times`.
+
+        Returns:
+            (`ReplicaTimes` over all replicas, float64 array [num_replicas_in_sync] (or
+            [num_replicas_in_sync, n]) of the values in replica order).
+
+        Raises:
+            ValueError: `local_values` has not one row per local replica.
+        """
+        return self._read_times(reset, self._local_rows(local_values))
+
+    def _read_times(self, reset, local_values):
+        """(`ReplicaTimes`, the gathered `local_values` or None): one collective."""
+        local = self._timing.read_local()
+        if reset:
+            self._timing.subtract_local(local)
+        rows = local.rows()
+        if local_values is None:
+            return ReplicaTimes.from_rows(self._gather_local_rows(rows)), None
+        extra = local_values.reshape(rows.shape[0], -1)
+        gathered = self._gather_local_rows(np.concatenate([rows, extra], axis=1))
+        values = gathered[:, 3:].reshape((gathered.shape[0],) + local_values.shape[1:])
+        return ReplicaTimes.from_rows(gathered[:, :3]), values
+
+    def restart_step_clock(self) -> None:
+        """Times the next step of each replica from its inputs being ready, not from its release.
+
+        Call it after a pause between training steps (an epoch boundary with validation, a
+        checkpoint), so the pause is not counted as a replica's work. Local: no collective.
+        `DynamicBatching` calls it at every epoch start; each new input pipeline does too.
+        """
+        self._timing.reset_clock()
+
+    # ----------------------------------------------------------------- input -------------------
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Distributes a dataset of GLOBAL batches, splitting each by `batch_sizes`.
+
+        Training data must be batched by sum(batch_sizes) (a partial last batch is split in
+        proportion). Evaluation data, i.e. data Keras distributes for `evaluate`, `predict` or
+        `fit`'s `validation_data`, may be batched by any size, as under the stock strategy:
+        each batch of n samples is split in proportion to `batch_sizes` (each replica's share
+        rounded down or up; evenly while none are set). Evaluation results are sums over
+        samples, so they do not depend on the split. Which one a dataset is comes from the
+        Keras call that distributes it (`_compat.keras_loop_distributing_data`), the same on
+        every worker; data a custom loop distributes is training data.
+
+        Args:
+            dataset: a `tf.data.Dataset` batched by the global batch size.
+            options: `tf.distribute.InputOptions`, as for the stock strategy.
+
+        Returns:
+            A distributed dataset; replica k receives slice k of each global batch.
+
+        Raises:
+            ValueError: already distributed data, unbatched data, or training data whose batch
+                size does not match the batch sizes set.
+            TypeError: anything but a `tf.data.Dataset`.
+        """
+        evaluation = _compat.keras_loop_distributing_data() in _compat.EVALUATION_LOOPS
+        model = _compat.keras_model_distributing_data()
+        if model is not None:
+            _compat.inline_multi_step(model)  # steps_per_execution > 1 (keras#19246)
+        self._check_dataset(dataset, evaluation)
+        mode = getattr(options, "experimental_replication_mode", None)
+        if mode == tf.distribute.InputReplicationMode.PER_REPLICA:
+            raise ValueError(
+                "`options.experimental_replication_mode` must be PER_WORKER: a tf_hetbatch "
+                "strategy splits each worker's stream of global batches itself. Received: "
+                f"{mode}. Fix: tf.distribute.InputOptions() with the default replication mode."
+            )
+        self.restart_step_clock()
+        num_replicas = self.num_replicas_in_sync
+        replica_range = self._replica_range()
+        several_workers = self.num_local_replicas < num_replicas
+        owns_every_replica = not several_workers or not self._split_input_work
+        seed = None
+        if several_workers and not evaluation and input_work.has_unseeded_shuffle(dataset):
+            seed = self._agree_on_seed()  # a collective: every worker distributes the same data
+        plans = []
+
+        def dataset_fn(input_context):
+            del input_context  # every worker reads every global batch; see _replica_range
+            plan = input_work.plan(dataset, owns_every_replica, seed, evaluation)
+            plans.append(plan)
+            return input_split.split_global_batches(
+                dataset, self._allocation, num_replicas, replica_range, evaluation=evaluation,
+                plan=plan,
+            )
+
+        distributed = self.distribute_datasets_from_function(dataset_fn, options)
+        if not self._partial_batch_handling():
+            _compat.disable_partial_batch_handling(distributed)
+        if plans and not evaluation:
+            self._weights_in_pipeline = plans[0].weights_in_raw
+        if plans and plans[0].reason and self._is_chief() and dataset not in self._said_unsplit:
+            self._said_unsplit.add(dataset)
+            logger.warning(
+                "The input pipeline runs unsplit: every worker does all of its per-sample work "
+                "for every global batch, not only for its own samples, because %s.",
+                plans[0].reason,
+            )
+        return distributed
+
+    def check_input_agreement(self) -> None:
+        """Checks that every worker has trained the same global batches so far.
+
+        Several workers: one small collective (call it on every worker at the same point);
+        every `gather_replica_values`, `read_replica_times` and `set_batch_sizes` checks the
+        same on the way. One host: nothing to check.
+
+        Raises:
+            RuntimeError: the workers' input pipelines produced different global batches
+                (naming the likely causes and the fix).
+        """
+        self._gather_local_rows(np.zeros(self.num_local_replicas))
+
+    def _agree_on_seed(self):
+        """A shuffle seed every worker agrees on (one host: none needed)."""
+        return None
+
+    def _check_dataset(self, dataset, evaluation=False):
+        if isinstance(dataset, tf.distribute.DistributedDataset):
+            raise ValueError(
+                "`dataset` is already distributed. A tf_hetbatch strategy splits global batches "
+                f"itself. Received: {type(dataset).__name__}. Fix: pass the tf.data.Dataset of "
+                "global batches, before any experimental_distribute_dataset()."
+            )
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(
+                "`dataset` must be a tf.data.Dataset of global batches. Received: "
+                f"{type(dataset).__name__}. Fix: build one with tf.data, or pass numpy arrays "
+                "with batch_size= to model.fit."
+            )
+        specs = tf.nest.flatten(dataset.element_spec)
+        ranks = [getattr(getattr(s, "shape", None), "rank", None) for s in specs]
+        if any(rank == 0 for rank in ranks):
+            raise ValueError(
+                "`dataset` must be batched: every component needs a leading batch dimension. "
+                f"Received: element_spec={dataset.element_spec}. Fix: "
+                "dataset.batch(global_batch_size)."
+            )
+        batch = _compat.static_batch_size(dataset)
+        leading = [
+            s.shape[0] for s in specs if getattr(getattr(s, "shape", None), "rank", None)
+        ]
+        if batch is None and None not in leading and len(set(leading)) > 1:
+            raise ValueError(
+                "`dataset` must be batched: its components' leading dimensions differ, so they "
+                f"cannot be a batch dimension. Received: element_spec={dataset.element_spec}. "
+                "Fix: dataset.batch(global_batch_size)."
+            )
+        if batch is not None and not evaluation:  # evaluation batches may have any size
+            if self._batch_sizes is not None and sum(self._batch_sizes) != batch:
+                raise ValueError(
+                    f"`batch_sizes` must sum to the dataset's global batch size {batch}. "
+                    f"Received: batch_sizes={list(self._batch_sizes)} "
+                    f"(sum {sum(self._batch_sizes)}). Fix: batch the dataset with "
+                    f"{sum(self._batch_sizes)}, or call set_batch_sizes() with sizes summing "
+                    f"to {batch}."
+                )
+            self._data_global_batch = batch
+
+    # ----------------------------------------------------------------- the step ----------------
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """As `tf.distribute.Strategy.run`; Keras train/test steps get weights and global logs.
+
+        For a Keras model's `train_step`, each replica's loss is weighted so the update equals
+        one device on the whole global batch (see `weighting`), and the replica's
+        compute time is recorded. For `train_step` and `test_step`, the returned metric values
+        are the true global running means (the stock strategy averages the replicas' local
+        means, which is biased under uneven batches). Any other `fn` runs unchanged: custom
+        loops get exact gradients by scaling the loss with the global batch size, e.g.
+        `tf.nn.compute_average_loss(per_example_loss, global_batch_size=B)`.
+        """
+        model, kind = _compat.keras_model_of_step(fn)
+        if model is None:
+            return super().run(fn, args=args, kwargs=kwargs, options=options)
+        _compat.check_steps_per_execution(model)
+        training = kind == "train_step"
+        data = args[0] if args else None
+        mode, total = weighting.NONE, None
+        if training:
+            weighting.adapt_optimizer(model.optimizer)
+            mode = weighting.weighting_mode(model)
+            if not _all_distributed(data):
+                mode = weighting.NONE  # the same data on every replica: nothing to weight
+            if mode != weighting.NONE:
+                total = self._step_total(data, mode)
+        check_nonempty = training and _has_local_batch_norm(model)
+        if check_nonempty:
+            self._needs_nonempty_replicas = True
+            if self.batch_sizes is not None:
+                _check_nonempty_sizes(self.batch_sizes)
+        accumulators = self._timing if training else None
+
+        def replica_fn(*replica_args, **replica_kwargs):
+            weight = None
+            if mode != weighting.NONE:
+                weight = self._replica_weight(weighting_amount(replica_args[0], mode), total)
+            # The step starts when this replica's inputs are there. The stamp gates nothing:
+            # the replica's work starts with its inputs, not after the stamp (see _start_stamp).
+            replica_args, start_time, samples = _start_stamp(replica_args, check_nonempty)
+            step = weighting.ReplicaStep(
+                weight=weight, start_time=start_time, samples=samples, timing=accumulators
+            )
+            with weighting.replica_step(step):
+                outputs = fn(*replica_args, **replica_kwargs)
+            if step.gradients_applied and not step.loss_scaled:
+                raise ValueError(
+                    f"{type(model).__name__}.train_step applied gradients without calling "
+                    "`self.optimizer.scale_loss(loss)`, so its replicas' gradients cannot be "
+                    "weighted by their batch sizes and training would silently differ from one "
+                    "device on the global batch. Fix: in train_step, compute gradients of "
+                    "`loss = self.optimizer.scale_loss(loss)` (as keras.Model.train_step does)."
+                )
+            return outputs
+
+        outputs = super().run(replica_fn, args=args, kwargs=kwargs, options=options)
+        if training:
+            with tf.control_dependencies(
+                [t for t in tf.nest.flatten(self.experimental_local_results(outputs))
+                 if isinstance(t, tf.Tensor)]
+            ):
+                self._allocation.count_trained_step()
+        # Within a multi-step loop only the last step's logs are read: they are made global
+        # once, after the loop (`_compat.deferred_global_logs`).
+        return self._logs(model, outputs, reduce=not _compat.global_logs_deferred())
+
+    def _step_total(self, data, mode):
+        """Cross-replica context: the step's total amount (samples or sample weight).
+
+        On one host it is the sum over the local replicas' data, at no communication cost
+        (several workers read it from their pipelines, see the subclass).
+        """
+        return tf.add_n(
+            [weighting_amount(d, mode) for d in self.experimental_local_results(data)]
+        )
+
+    def _replica_weight(self, amount, total):
+        """Replica context: K * lambda_k, replica k's loss weight (Keras already divides by K)."""
+        return tf.math.divide_no_nan(float(self.num_replicas_in_sync) * amount, total)
+
+    def global_logs(self, model, outputs):
+        """Cross-replica context: `outputs` of a Keras train/test step with each of `model`'s
+        metric results replaced by its true global running mean (all replicas' metric variables
+        summed in one batch all-reduce; the stock strategy averages the replicas' local means,
+        which is biased under uneven batches). Other entries and non-dict outputs are returned
+        as they are."""
+        return self._logs(model, outputs, reduce=True)
+
+    def _logs(self, model, outputs, reduce):
+        if not isinstance(outputs, dict):
+            return outputs
+        local_values = [
+            t
+            for v in tf.nest.flatten(outputs)
+            for t in (self.experimental_local_results(v) if _is_distributed(v) else [v])
+            if isinstance(t, tf.Tensor)
+        ]
+        with tf.control_dependencies(local_values):
+            results = _compat.metric_results_in_one_reduce(self, model.metrics, reduce=reduce)
+            if results is None:
+                if not reduce:
+                    return outputs  # Keras reduces them, as it does the stock strategy's
+                results = model.get_metrics_result()
+        merged = dict(outputs)
+        for name, value in results.items():
+            if name in merged:
+                merged[name] = tf.convert_to_tensor(value)
+        return merged
+
+    def reduce(self, reduce_op, value, axis):
+        """As `tf.distribute.Strategy.reduce`; see `_compat.is_uneven_batch_reduce`."""
+        if axis is None and tf.nest.flatten(value) and any(
+            _compat.is_uneven_batch_reduce(self, reduce_op, v, axis)
+            for v in tf.nest.flatten(value)
+        ):
+            return tf.nest.map_structure(
+                lambda v: _compat.largest_local_batch(self, v)
+                if _compat.is_uneven_batch_reduce(self, reduce_op, v, axis)
+                else super(HeteroMixin, self).reduce(reduce_op, v, axis),
+                value,
+            )
+        return super().reduce(reduce_op, value, axis)
+
+    @property
+    def switch_lag_steps(self) -> int:
+        """An upper bound on the training steps after `set_batch_sizes` until the new split is
+        in force on every replica (one host: the split pipeline runs at most a few global
+        batches ahead; several workers: exactly the strategy's `switch_margin`). Measurements
+        that start earlier may mix the two splits."""
+        return self._switch_lag_steps()
+
+    def _switch_lag_steps(self):
+        return ONE_HOST_SWITCH_LAG_STEPS
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process is the chief (writes logs and checkpoints). True on one host."""
+        return self._is_chief()
+
+    def gather_replica_values(self, local_values) -> "np.ndarray":
+        """All replicas' values, in replica order, from this process's replicas' values.
+
+        In multi-worker training this is a collective: every worker must call it at the same
+        point (e.g. from the same callback hook at the same step).
+
+        Args:
+            local_values: float array [num local replicas] (or [num local replicas, n]).
+
+        Returns:
+            float64 array [num_replicas_in_sync] (or [num_replicas_in_sync, n]).
+
+        Raises:
+            ValueError: `local_values` has not one row per local replica.
+        """
+        return self._gather_local_rows(self._local_rows(local_values))
+
+    def _local_rows(self, local_values):
+        local_values = np.asarray(local_values, dtype=np.float64)
+        if local_values.ndim not in (1, 2) or local_values.shape[0] != self.num_local_replicas:
+            raise ValueError(
+                f"`local_values` must have one row per local replica ({self.num_local_replicas})."
+                f" Received: shape {local_values.shape}. Fix: one value (or one row of values) "
+                "for each of this process's replicas, in `strategy.extended.worker_devices` "
+                "order."
+            )
+        return local_values
+
+    def part_capacities(self) -> np.ndarray:
+        """Nominal peak FLOP/s of every replica's device, in replica order.
+
+        Each local replica device is looked up (`device_peaks`); the values are
+        then gathered from every worker: in multi-worker training a collective, called at the
+        same point on every worker.
+
+        Returns:
+            float64 array [num_replicas_in_sync] of FLOP/s.
+
+        Raises:
+            ValueError: a replica on a GPU that TensorFlow does not list.
+        """
+        local = [device_peaks.device_peak_flops(d) for d in self.extended.worker_devices]
+        return self.gather_replica_values(np.asarray(local, np.float64))
+
+    # ----------------------------------------------------------------- topology hooks ----------
+    def _is_chief(self):
+        return True
+
+    def _gather_local_rows(self, local_values):
+        return local_values
+
+    def _keyed_by_step(self):
+        return False
+
+    def _time_from_release(self):
+        return False
+
+    def _switch_start(self):
+        return None  # one host: a new split applies to the next global batch produced
+
+    def _partial_batch_handling(self):
+        # Every global batch gives every replica a slice (maybe empty), so all replicas' data
+        # ends at the same step: TensorFlow's per-step check for the opposite is not needed.
+        return False
+
+    def _host_device(self):
+        return "/cpu:0"
+
+    def _replica_range(self):
+        return None
+
+
+class HeteroMirroredStrategy(HeteroMixin, tf.distribute.MirroredStrategy):
+    """`tf.distribute.MirroredStrategy` with uneven per-replica batches and exact weighting.
+
+    A drop-in replacement: same constructor, same use. Batch the data by the GLOBAL batch size
+    B as usual; each global batch is split into per-replica batches `batch_sizes` (even until
+    `set_batch_sizes` is called, also when B does not divide by the replica count), and each
+    replica's gradient is weighted by b_k / B, so every update equals the one a single device
+    makes on the whole global batch: with SyncBatchNormalization, regularisers, any Keras
+    optimizer and LossScaleOptimizer. Per-batch logs and History hold true global means.
+    Evaluation data (`evaluate`, `predict`, `fit`'s `validation_data`) may be batched by any
+    size, as with the stock strategy; each of its batches is split in proportion to the sizes.
+
+    What changes relative to the stock strategy, and only under this strategy:
+    - the optimizer instance of a model trained under it gets instance-level `scale_loss` and
+      `apply` hooks (weights and timing; no-ops outside its steps);
+    - with `steps_per_execution > 1` (which fails for the stock strategy,
+      keras-team/keras#19246), the model gets an instance-level `_make_function` that inlines
+      its one-step function into the multi-step loop (`_compat.inline_multi_step`); it needs
+      Keras's fit/evaluate/predict to distribute the data, and no `jit_compile`;
+    - plain (unsynchronised) BatchNormalization computes local statistics, as with the stock
+      strategy, so it is not exact; and a replica may not get an empty batch with it.
+
+    Args:
+        devices: as for `tf.distribute.MirroredStrategy`.
+        cross_device_ops: as for `tf.distribute.MirroredStrategy`.
+
+    Example:
+        >>> import tf_hetbatch as hb
+        >>> strategy = hb.HeteroMirroredStrategy(["/cpu:0"])
+        >>> strategy.set_batch_sizes([32])
+        >>> strategy.batch_sizes
+        (32,)
+    """
+
+    def __init__(self, devices=None, cross_device_ops=None):
+        _compat.assign_collective_key_base(self)
+        super().__init__(devices=devices, cross_device_ops=cross_device_ops)
+        self._init_hetero()
+
+
+class StepCounter:
+    """Training steps each Keras `on_train_batch_end` call covers, for a callback.
+
+    Keras calls it once per execution of `steps_per_execution` steps, and the `batch` it
+    passes is the execution's nominal last step, also past the end of the data; the steps
+    the synchronous strategies count are exact. Asynchronous training: one update per call.
+    """
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._last = self._read()
+
+    def _read(self):
+        if self._strategy.asynchronous:
+            return None
+        return self._strategy.steps_trained
+
+    def __call__(self) -> int:
+        """The steps trained since the previous call (or the counter's creation)."""
+        now = self._read()
+        if now is None:
+            return 1
+        steps, self._last = max(now - self._last, 0), now
+        return steps
+
+
+def hetero_strategy_of(model, user: str, synchronous: bool = False):
+    """The tf_hetbatch strategy `model` was created under.
+
+    Args:
+        model: a Keras model.
+        user: who asks (for the error message), e.g. "DynamicBatching".
+        synchronous: if True, only a synchronous strategy will do.
+
+    Returns:
+        The strategy: a `protocols.SplitStrategy` (a `protocols.SynchronousSplitStrategy`
+        with `synchronous=True`).
+
+    Raises:
+        ValueError: the model is not under a tf_hetbatch strategy, or (`synchronous`) under
+            the asynchronous one (naming `user`, the caller).
+    """
+    from tf_hetbatch.distribute.parameter_server import HeteroParameterServerStrategy
+
+    strategy = getattr(model, "distribute_strategy", None)
+    if not isinstance(strategy, (HeteroMixin, HeteroParameterServerStrategy)):
+        raise ValueError(
+            f"{user} needs a model created under a tf_hetbatch strategy. Received: a model "
+            f"under {type(strategy).__module__}.{type(strategy).__name__}. Fix: create and "
+            "compile the model inside `with strategy.scope():` of a HeteroMirroredStrategy, "
+            "HeteroMultiWorkerMirroredStrategy or HeteroParameterServerStrategy."
+        )
+    if synchronous and strategy.asynchronous:
+        raise ValueError(
+            f"{user} needs a synchronous tf_hetbatch strategy (Keras fit). Received: a model "
+            f"under {type(strategy).__name__}. Fix: use HeteroMirroredStrategy or "
+            "HeteroMultiWorkerMirroredStrategy; AsyncTrainer(checkpoint_dir=...) checkpoints "
+            "asynchronous training itself."
+        )
+    return strategy
+
+
+# --------------------------------------------------------------------- helpers ---------------
+def _is_distributed(value):
+    return isinstance(value, tf.distribute.DistributedValues)
+
+
+def _all_distributed(data):
+    flat = [t for t in tf.nest.flatten(data) if t is not None]
+    return bool(flat) and all(_is_distributed(t) for t in flat)
+
+
+def weighting_amount(data, mode):
+    """What replica k's weight is proportional to: its samples, or its summed sample weight."""
+    x, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    if mode == weighting.SAMPLE_WEIGHT and sample_weight is not None:
+        return tf.add_n(
+            [tf.reduce_sum(tf.cast(w, tf.float32)) for w in tf.nest.flatten(sample_weight)]
+        )
+    return tf.cast(input_split.batch_dim(x), tf.float32)
+
+
+_EMPTY_REPLICA_FIX = (
+    "Fix: use keras.layers.BatchNormalization(synchronized=True), give every replica at least "
+    "1 sample, or batch with drop_remainder=True so no short last batch leaves a replica empty."
+)
+
+
+def _check_nonempty_sizes(sizes):
+    if min(sizes) < 1:
+        raise ValueError(
+            "Every replica needs at least 1 sample: the model has plain BatchNormalization "
+            "layers, whose batch statistics are NaN on an empty batch. Received: "
+            f"batch_sizes={list(sizes)}. " + _EMPTY_REPLICA_FIX
+        )
+
+
+def _has_local_batch_norm(model):
+    return any(
+        isinstance(layer, keras.layers.BatchNormalization)
+        and not getattr(layer, "synchronized", False)
+        for layer in _compat.all_layers(model)
+    )
+
+
+def _start_stamp(replica_args, check_nonempty):
+    """Replica context: (args, the time this replica's inputs are there, its number of samples).
+
+    The stamp depends on the inputs only and nothing depends on it but the timing record, so it
+    adds no barrier to the step: gating the replica's work on the stamp, or on all replicas'
+    inputs, cost several percent of a small model's step on 2 cores. The executor runs the
+    stamp as soon as the inputs are ready (a cheap op, run inline), i.e. when the work can start.
+    Only with plain BatchNormalization (`check_nonempty`) are the returned args gated, on a
+    check that the batch is not empty: the step then fails with a clear message before any of
+    its work runs.
+    """
+    tensors = [
+        t for t in tf.nest.flatten(replica_args, expand_composites=True) if isinstance(t, tf.Tensor)
+    ]
+    if not tensors:
+        return replica_args, tf.timestamp(), tf.constant(0, tf.int64)
+    data = replica_args[0] if replica_args else None
+    samples = input_split.batch_dim(keras.utils.unpack_x_y_sample_weight(data)[0])
+    if check_nonempty:
+        check = tf.debugging.assert_positive(
+            samples,
+            message=(
+                "A replica got an empty batch, and the model has plain "
+                "BatchNormalization layers, whose statistics are NaN on an empty batch. "
+                + _EMPTY_REPLICA_FIX
+            ),
+        )
+        with tf.control_dependencies([check]):
+            replica_args = tf.nest.map_structure(
+                lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t,
+                replica_args,
+                expand_composites=True,
+            )
+    with tf.control_dependencies(tensors):
+        return replica_args, tf.timestamp(), samples

@@ -1,0 +1,127 @@
+"""The measurement windows of `DynamicBatching`: which steps are measured, and what.
+
+A window clock per `fit`: the first `warmup_steps` steps (tracing; in asynchronous training
+also until every worker finished 2 updates) are not measured; then each window counts
+training steps (several per Keras call with `steps_per_execution`) and ends at the first
+call at least `length` steps after it started. At its end the strategy's per-part
+measurements over the window are read, with the window's mean step time: in synchronous
+training the slowest worker's, gathered in the same collective as the times, so every worker
+gets the same value; in asynchronous training also the workers' staleness.
+
+Multi-worker: starting and ending a window are collectives; the clock counts steps, which
+are the same on every worker, so every worker starts and ends each window at the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from tf_hetbatch.core.measurements import ReplicaTimes
+from tf_hetbatch.core.protocols import SplitStrategy
+
+__all__ = ["ASYNC_WARM_UPDATES", "WindowMeasurement", "MeasurementWindow"]
+
+# Asynchronous training: a worker's first updates of a fit include its tracing and input
+# start-up; measuring starts once every worker finished this many.
+ASYNC_WARM_UPDATES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowMeasurement:
+    """What one window measured.
+
+    Attributes:
+        steps: training steps in the window.
+        times: the strategy's per-part measurements over the window.
+        step_time: this process's mean wall seconds per step (from Keras's batch hooks).
+        cluster_step_time: synchronous training: the slowest worker's `step_time`, the
+            same on every worker; None in asynchronous training.
+        staleness: asynchronous training: the staleness of the window's updates
+            (`Staleness`); None in synchronous training.
+    """
+
+    steps: int
+    times: ReplicaTimes
+    step_time: float
+    cluster_step_time: Optional[float]
+    staleness: Optional[Any]
+
+
+class MeasurementWindow:
+    """The window clock of one fit, fed by the Keras batch hooks.
+
+    Args:
+        strategy: the fit's tf_hetbatch strategy.
+        warmup_steps: steps at the start of the fit left unmeasured.
+    """
+
+    def __init__(self, strategy: SplitStrategy, warmup_steps: int):
+        self._strategy = strategy
+        self._warmup_steps = warmup_steps
+        self._warm_base = strategy.read_totals() if strategy.asynchronous else None
+        self._fit_step = 0
+        self._steps = 0
+        self._wall = 0.0
+        self._batch_start = 0.0
+        self._measuring = False
+
+    def begin(self) -> None:
+        """After the static split is applied: without a warm-up the first window starts now
+        (a collective in multi-worker training)."""
+        if self._warmup_steps == 0 and self._warm_base is None:
+            self._start()
+
+    def batch_begin(self) -> None:
+        """`on_train_batch_begin`: stamps the call's start."""
+        self._batch_start = time.perf_counter()
+
+    def batch_end(self, steps: int, length: int) -> Optional[WindowMeasurement]:
+        """`on_train_batch_end` of a call that ran `steps` steps: the measurement of the
+        window this call ends (at least `length` steps), else None."""
+        wall = time.perf_counter() - self._batch_start
+        self._fit_step += steps
+        if not self._measuring:
+            if self._fit_step >= self._warmup_steps and self._workers_warm():
+                self._start()
+            return None
+        self._steps += steps
+        self._wall += wall
+        if self._steps < length:
+            return None
+        return self._end()
+
+    def _workers_warm(self) -> bool:
+        if self._warm_base is None:
+            return True
+        done = self._strategy.read_totals().steps - self._warm_base.steps
+        return bool(np.min(done) >= ASYNC_WARM_UPDATES)
+
+    def _start(self) -> None:
+        # Drops what the warm-up steps accumulated (a collective: same step on every worker).
+        self._strategy.read_replica_times(reset=True)
+        if self._strategy.asynchronous:
+            self._strategy.read_staleness(reset=True)
+        self._measuring = True
+        self._steps = 0
+        self._wall = 0.0
+
+    def _end(self) -> WindowMeasurement:
+        strategy = self._strategy
+        steps = self._steps
+        step_time = self._wall / steps
+        self._steps = 0
+        self._wall = 0.0
+        if strategy.asynchronous:
+            times = strategy.read_replica_times(reset=True)
+            return WindowMeasurement(steps, times, step_time, None,
+                                     strategy.read_staleness(reset=True))
+        # A controller's step-time search needs the same value on every worker: the slowest
+        # worker's mean step, gathered with the times (one collective, at the same step on
+        # every worker).
+        local = np.full(strategy.num_local_replicas, step_time)
+        times, walls = strategy.read_replica_times_and_gather(local, reset=True)
+        return WindowMeasurement(steps, times, step_time, float(np.max(walls)), None)

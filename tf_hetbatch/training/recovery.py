@@ -1,0 +1,470 @@
+"""ResumableCheckpoint: multi-worker-safe checkpoints, mid-epoch resume and preemption notices
+for Keras `fit`.
+
+Stock `keras.callbacks.BackupAndRestore` is not multi-worker aware (every worker writes the same
+files) and resumes at epoch granularity. This callback writes from the chief only, as ordinary
+TensorFlow checkpoints (`tf_hetbatch.training.run_checkpoint`: `tf.train.Checkpoint` +
+`tf.train.CheckpointManager`, through `tf.io.gfile`), and resumes at the global step of the
+checkpoint: the interrupted epoch's already-trained global batches are dropped by the
+strategy's input pipeline (`strategy.resume_at`), so only the work since the last checkpoint is
+redone, and nothing after a preemption notice (`tf_hetbatch.training.preemption`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, Optional, Union
+
+import keras
+import numpy as np
+
+from tf_hetbatch.core._validate import check_int
+from tf_hetbatch.distribute import _compat
+from tf_hetbatch.distribute.strategy import StepCounter, hetero_strategy_of
+from tf_hetbatch.training import legacy_checkpoint as _legacy
+from tf_hetbatch.training import run_checkpoint as _run
+from tf_hetbatch.training.preemption import RESTART_EXIT_CODE, PreemptionNotice
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ResumableCheckpoint"]
+
+_TRAINER = "fit"
+_ON_NOTICE = ("exit", "stop")
+
+
+class ResumableCheckpoint(keras.callbacks.Callback):
+    """Checkpoints a multi-worker (or one-host) tf_hetbatch run; resumes it mid-epoch.
+
+    Use it with a model created under a tf_hetbatch strategy. Call `restore(model)` on every
+    worker before `fit` and pass what it returns as `fit(initial_epoch=...)`:
+
+        ckpt = hb.ResumableCheckpoint("/shared/run1/ckpt", save_every_steps=100)
+        initial_epoch = ckpt.restore(model)      # 0 if there is no checkpoint yet
+        model.fit(ds, epochs=10, initial_epoch=initial_epoch, callbacks=[ckpt])
+
+    Saving (chief only; `strategy.is_chief`): every `save_every_steps` global steps
+    (`strategy.steps_trained`), at the end of each epoch, and on a preemption notice. A
+    checkpoint is one TensorFlow checkpoint `<directory>/ckpt-<step>` holding the model, its
+    optimizer and the run's position (global step, epoch, batches done in it, the split
+    `strategy.batch_sizes`, the replica count, `dynamic_batching.get_state()`), written
+    atomically by `tf.train.CheckpointManager`, which keeps the newest `keep`. Any
+    `tf.io.gfile` path works: a shared file system, `gs://`, `s3://` (tensorflow-io),
+    `ram://`. The decision to save depends only on the step count, so every worker takes it at
+    the same step; saving needs no collective beyond one check that all workers trained the
+    same batches. The weights load without tf_hetbatch:
+    `tf.train.Checkpoint(model=model).restore(path).expect_partial()`.
+
+    Preemption notices: while `fit` runs, a SIGTERM to any worker (or `request_preemption()`
+    on one of them) makes every worker save at one agreed step and exit with
+    `tf_hetbatch.RESTART_EXIT_CODE` (42), which the launcher (`tf_hetbatch.launch`) restarts
+    on; the relaunch redoes no step. The save comes at the next step boundary on one host, and
+    one step after the next boundary across workers (`preemption`); at an epoch's
+    last step the checkpoint is that epoch's end, without its validation. A SIGKILL still
+    loses the steps since the last save (at most `save_every_steps - 1`).
+
+    Resuming (`restore`, on every worker, before `fit`): every worker loads the newest
+    checkpoint and checks with one collective that all workers found the same one; restores
+    weights and optimizer variables (building the optimizer first); calls
+    `strategy.resume_at(step, skip_batches=batches done in the epoch)` so the first epoch of
+    the next `fit` skips the global batches already trained; and restores the split. With the
+    same replica count as when saved, the saved split and the `dynamic_batching` state; with
+    another count (e.g. relaunched on fewer workers), the global batch split evenly over the
+    new replicas, `dynamic_batching` afresh, and one INFO line. A directory of the earlier
+    tf_hetbatch format (`checkpoint.json`, `variables.npz`) resumes too; the new checkpoints
+    are written beside its files, which stay untouched.
+
+    Requirements, all checked where possible:
+    - `directory` is on storage all workers see (a shared file system or bucket).
+    - The data gives the same global batches in the same order in every run: no shuffle, or a
+      seeded one (`shuffle(..., seed=s)`). Only then does skipping the trained batches resume
+      the exact sequence.
+    - The data's number of batches is known (`dataset.cardinality()`), so Keras keeps the
+      epoch length after a shortened first epoch; otherwise add
+      `dataset.apply(tf.data.experimental.assert_cardinality(n))`. Keras warns "Your input ran
+      out of data" at the end of the resumed (shortened) epoch; that is expected.
+    - `fit(initial_epoch=restore(model))`: a fit that starts at another epoch is an error.
+    - A `fit` whose directory already holds a checkpoint must be preceded by `restore`
+      (use a new directory to start afresh): an error otherwise, so nothing is overwritten.
+    - A SIGTERM is caught only if `fit` runs in the main thread; `request_preemption()` works
+      from any thread.
+
+    Not restored: metric state (the epoch's metrics after a resume cover the resumed steps
+    only) and other callbacks' state.
+
+    Args:
+        directory: str or path-like, where checkpoints go (any `tf.io.gfile` path).
+        save_every_steps: int >= 1, save every this many global steps. Default 50.
+        keep: int >= 1, how many of the newest checkpoints to keep. Default 2.
+        dynamic_batching: optional `tf_hetbatch.DynamicBatching` of the same `fit`, whose
+            state is saved and restored with the checkpoint.
+        on_notice: "exit" (default): after the save on a preemption notice, raise
+            `SystemExit(RESTART_EXIT_CODE)` out of `fit`. "stop": end `fit` normally instead
+            (`model.stop_training`); `ckpt.preempted_at` says the step, and the script exits
+            (with `RESTART_EXIT_CODE` to be restarted) when it is done.
+
+    Raises:
+        ValueError, TypeError: invalid arguments (the message names the value and the fix).
+
+    Example:
+        >>> import tf_hetbatch as hb, keras, numpy as np, tempfile
+        >>> strategy = hb.HeteroMirroredStrategy(["/cpu:0"])
+        >>> with strategy.scope():
+        ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        ...     model.compile("sgd", "mse")
+        >>> ckpt = hb.ResumableCheckpoint(tempfile.mkdtemp(), save_every_steps=2)
+        >>> x = np.ones((32, 4), "float32")
+        >>> _ = model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0,
+        ...               initial_epoch=ckpt.restore(model), callbacks=[ckpt])
+        >>> ckpt.latest()["step"]
+        4
+    """
+
+    def __init__(
+        self,
+        directory: Union[str, os.PathLike],
+        save_every_steps: int = 50,
+        keep: int = 2,
+        dynamic_batching: Any = None,
+        on_notice: str = "exit",
+    ) -> None:
+        super().__init__()
+        if isinstance(directory, bool) or not isinstance(directory, (str, os.PathLike)) \
+                or not os.fspath(directory):
+            raise ValueError(
+                "`directory` must be a non-empty path on storage every worker sees, e.g. "
+                f"'/shared/run1/ckpt' or 'gs://bucket/run1'. Received: directory={directory!r}")
+        self.directory = os.fspath(directory)
+        self.save_every_steps = check_int(
+            "save_every_steps", save_every_steps, 1, "e.g. save_every_steps=50.")
+        self.keep = check_int("keep", keep, 1, "e.g. keep=2.")
+        if dynamic_batching is not None:
+            from tf_hetbatch.training.callback import DynamicBatching
+
+            if not isinstance(dynamic_batching, DynamicBatching):
+                raise TypeError(
+                    "`dynamic_batching` must be the tf_hetbatch.DynamicBatching callback of "
+                    f"the same fit, or None. Received: {type(dynamic_batching).__name__}. Fix: "
+                    "pass the DynamicBatching instance you give to fit(callbacks=[...]).")
+        if on_notice not in _ON_NOTICE:
+            raise ValueError(f"`on_notice` must be one of {_ON_NOTICE}. Received: "
+                             f"on_notice={on_notice!r}. Fix: on_notice='exit' (the default).")
+        self.dynamic_batching = dynamic_batching
+        self.on_notice = on_notice
+        # Set by restore(): the position resumed from, or {} (restored, none found); None
+        # until restore() ran.
+        self.restored: Optional[Dict[str, Any]] = None
+        # The step saved at on a preemption notice, or None.
+        self.preempted_at: Optional[int] = None
+        self._resume_epoch: Optional[int] = None
+        self._resume_batch = 0
+        self._wrote = False
+        self._store: Optional[_run.RunCheckpoint] = None
+        self._store_model = None
+        self._notice: Optional[PreemptionNotice] = None
+        self._pending_request = False
+        self._fits = 0
+        # Per-fit state.
+        self._strategy = None
+        self._step = 0
+        self._epoch = 0
+        self._batches = 0
+        self._first_epoch = True
+        self._shortened_epoch = False
+        self._resume_skipped = 0
+        self._iterations_at_begin: Optional[int] = None
+
+    # ------------------------------------------------------------------ public ------------
+    def latest(self) -> Optional[Dict[str, Any]]:
+        """The position saved in the newest complete checkpoint, or None.
+
+        Returns:
+            A dict with "step", "epoch", "batch" (batches of that epoch done), "batch_sizes",
+            "num_parts" (replicas), "dynamic_batching" and "path" (the checkpoint, a
+            `tf.train.Checkpoint` path; for the earlier format, its directory).
+
+        Raises:
+            ValueError: the newest checkpoint is missing, unreadable or foreign.
+        """
+        found = self._find()
+        if found is None:
+            return None
+        return dict(found[2], path=found[1])
+
+    def request_preemption(self) -> None:
+        """Asks for what a SIGTERM does: every worker saves at a step soon and exits.
+
+        Call it on any one worker, from any thread, while (or before) `fit` runs. The save
+        and exit happen as described in the class docs (`on_notice`).
+        """
+        if self._notice is not None:
+            self._notice.request()
+        else:
+            self._pending_request = True
+
+    def restore(self, model: keras.Model) -> int:
+        """Restores the newest checkpoint into `model` and its strategy; call before `fit`.
+
+        Call it on every worker, at the same point (it runs collectives). With no checkpoint
+        in `directory`, it changes nothing and returns 0.
+
+        Args:
+            model: the compiled model, created under a tf_hetbatch strategy, and built (an
+                `Input` layer, or `model.build(shape)`), as when the checkpoint was written.
+
+        Returns:
+            The epoch to resume at: pass it as `model.fit(..., initial_epoch=...)`.
+
+        Raises:
+            ValueError: the model is not under a synchronous tf_hetbatch strategy; it is not
+                built; the checkpoint does not match the model; the
+                workers found different checkpoints (`directory` not shared); a broken or
+                foreign checkpoint.
+        """
+        strategy = hetero_strategy_of(model, "ResumableCheckpoint", synchronous=True)
+        found = self._find()
+        _check_same_on_all_workers(strategy, -1 if found is None else int(found[2]["step"]),
+                                   self.directory)
+        self._wrote = False
+        if found is None:
+            self.restored = {}
+            self._resume_epoch = None
+            self._resume_batch = 0
+            return 0
+        kind, where, position = found
+        if not model.built:
+            raise ValueError(
+                f"`model` must be built before restore() can load its weights. Received an "
+                f"unbuilt {type(model).__name__}. Fix: start the model with keras.Input(...), "
+                "or call model.build(input_shape) before restore().")
+        optimizer = model.optimizer
+        if optimizer is not None and not optimizer.built:
+            with strategy.scope():
+                optimizer.build(model.trainable_variables)
+        if kind == "tf":
+            self._store_for(model).restore(where)
+        else:
+            _restore_legacy(model, self.directory, where, position)
+            if strategy.is_chief:
+                logger.info(
+                    "Resuming from %s, a checkpoint of the earlier tf_hetbatch format. New "
+                    "checkpoints are TensorFlow checkpoints (ckpt-<step>) in the same "
+                    "directory; the earlier files (%s, step-*/) are left as they are: delete "
+                    "them once a new checkpoint is written.", os.path.join(self.directory, where),
+                    _legacy.POINTER)
+        step, epoch, batch = int(position["step"]), int(position["epoch"]), \
+            int(position["batch"])
+        strategy.resume_at(step, skip_batches=batch)
+        self._restore_split(strategy, position, where)
+        self.restored = position
+        self._resume_epoch, self._resume_batch = epoch, batch
+        if strategy.is_chief:
+            logger.info("Resumed from %s: step %d, epoch %d after %d of its batches.",
+                        where, step, epoch, batch)
+        return epoch
+
+    # ------------------------------------------------------------------ Keras hooks -------
+    def on_train_begin(self, logs=None):
+        strategy = hetero_strategy_of(self.model, "ResumableCheckpoint", synchronous=True)
+        self._strategy = strategy
+        self._steps = StepCounter(strategy)
+        if self.restored is None and not self._wrote and self._find() is not None:
+            raise ValueError(
+                f"`directory` {self.directory!r} already holds a checkpoint, but restore() was "
+                "not called before fit, so training would start afresh and overwrite it. Fix: "
+                "`initial_epoch = ckpt.restore(model)` then `model.fit(..., "
+                "initial_epoch=initial_epoch)`, or use a new directory to start afresh.")
+        if self._resume_batch and self.params.get("steps") is None:
+            raise ValueError(
+                "Resuming mid-epoch needs data whose number of batches is known, else Keras "
+                "would shorten every later epoch to the resumed one. Received data of unknown "
+                "cardinality. Fix: dataset = dataset.apply("
+                "tf.data.experimental.assert_cardinality(num_batches)).")
+        self._store_for(self.model)
+        self._step = strategy.steps_trained
+        self._first_epoch = True
+        self._shortened_epoch = False
+        self._iterations_at_begin = _iterations(self.model)
+        self.preempted_at = None
+        self._start_notice(strategy)
+
+    def on_train_end(self, logs=None):
+        if self._notice is not None:
+            if self._notice.requested and self.preempted_at is None and \
+                    self._strategy.is_chief:
+                logger.info("Training ended before the preemption notice's step; the "
+                            "checkpoint of its end is complete.")
+            self._close_notice()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._batches = 0
+        if self._first_epoch and self._resume_epoch is not None:
+            if epoch != self._resume_epoch:
+                self._close_notice()
+                raise ValueError(
+                    f"fit started at epoch {epoch} but the checkpoint resumes epoch "
+                    f"{self._resume_epoch}. Fix: pass initial_epoch=ckpt.restore(model) to "
+                    "fit.")
+            self._batches = self._resume_skipped = self._resume_batch
+            self._shortened_epoch = self._resume_batch > 0
+        self._first_epoch = False
+        self._resume_epoch, self._resume_batch = None, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        steps = self._steps()  # > 1 with steps_per_execution
+        previous, self._step = self._step, self._step + steps
+        self._batches += steps
+        if self._notice is not None and self._notice.due(self._step):
+            self._save_on_notice()
+            return
+        # Every `save_every_steps` steps, at the first execution boundary at or after them.
+        due = self._step // self.save_every_steps > previous // self.save_every_steps
+        if due and not self._epoch_complete():
+            self._save(self._epoch, self._batches)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._shortened_epoch:
+            self._shortened_epoch = False
+            _compat.undo_iteration_of_exhausted_step(
+                self.model, self._iterations_at_begin, self._batches - self._resume_skipped)
+        if self._epoch_complete():
+            self._save(epoch + 1, 0)
+        else:  # stopped early (stop_training): resume inside this epoch
+            self._save(epoch, self._batches)
+
+    # ------------------------------------------------------------------ internals ---------
+    def _find(self):
+        """("tf", path, position) or ("legacy", name, position) of the newest, or None."""
+        new = _run.latest(self.directory)
+        old = _legacy.find(self.directory)
+        if new is not None:
+            position = _check_trainer(new[1], new[0])
+            if old is None or int(position["step"]) >= int(old[1]["step"]):
+                return "tf", new[0], position
+        if old is None:
+            return None
+        name, meta = old
+        position = {"trainer": _TRAINER, "step": int(meta["step"]), "epoch": int(meta["epoch"]),
+                    "batch": int(meta["batch"]), "batch_sizes": meta.get("batch_sizes"),
+                    "num_parts": int(meta["num_replicas"]),
+                    "dynamic_batching": meta.get("dynamic_batching"),
+                    "legacy": dict(meta)}
+        return "legacy", name, position
+
+    def _store_for(self, model) -> _run.RunCheckpoint:
+        if self._store is None or self._store_model is not model:
+            self._store = _run.RunCheckpoint(self.directory, model, model.optimizer, self.keep)
+            self._store_model = model
+        return self._store
+
+    def _start_notice(self, strategy):
+        self._close_notice()
+        self._fits += 1
+        self._notice = PreemptionNotice(
+            strategy.cluster_resolver,
+            key=f"tf_hetbatch/preemption/{self.directory}/{self._fits}")
+        self._notice.start()
+        if self._pending_request:
+            self._pending_request = False
+            self._notice.request()
+
+    def _close_notice(self):
+        if self._notice is not None:
+            self._notice.close()
+            self._notice = None
+
+    def _save_on_notice(self):
+        if self._epoch_complete():  # the epoch's last step: the checkpoint of its end
+            self._save(self._epoch + 1, 0)
+        else:
+            self._save(self._epoch, self._batches)
+        self.preempted_at = int(self._step)
+        seconds = self._notice.seconds_since_notice
+        if self._strategy.is_chief:
+            logger.info("Saved step %d on the preemption notice%s; %s.", self._step,
+                        "" if seconds is None else f" ({seconds:.2f} s after it here)",
+                        f"exiting with code {RESTART_EXIT_CODE} (restart me)"
+                        if self.on_notice == "exit" else "stopping training")
+        if self.on_notice == "exit":
+            self._close_notice()
+            raise SystemExit(RESTART_EXIT_CODE)
+        self.model.stop_training = True
+
+    def _epoch_complete(self) -> bool:
+        steps = self.params.get("steps") if self.params else None
+        return steps is None or self._batches >= steps
+
+    def _restore_split(self, strategy, position, where):
+        sizes, keep_state = _run.resume_split(
+            position.get("batch_sizes"), int(position["num_parts"]),
+            strategy.num_parts, None, where, log=strategy.is_chief)
+        if sizes is not None:
+            strategy.set_batch_sizes(sizes)  # a collective in multi-worker training
+        state = position.get("dynamic_batching")
+        if keep_state and self.dynamic_batching is not None and state is not None:
+            self.dynamic_batching.set_state(state)
+
+    def _save(self, epoch: int, batch: int) -> None:
+        strategy = self._strategy
+        strategy.check_input_agreement()  # never a checkpoint of steps on different batches
+        if not strategy.is_chief:
+            return
+        sizes = strategy.batch_sizes
+        position = {
+            "trainer": _TRAINER,
+            "step": int(self._step),
+            "epoch": int(epoch),
+            "batch": int(batch),
+            "batch_sizes": None if sizes is None else [int(s) for s in sizes],
+            "num_parts": int(strategy.num_parts),
+            "dynamic_batching": None if self.dynamic_batching is None
+            else self.dynamic_batching.get_state(),
+        }
+        path = self._store_for(self.model).save(position)
+        self._wrote = True
+        logger.debug("Checkpoint %s written.", path)
+
+
+# ---------------------------------------------------------------------- helpers ----------
+def _restore_legacy(model, directory, name, position) -> None:
+    weights, opt_values = _legacy.load(directory, name, position["legacy"])
+    _legacy.assign(_legacy.model_variables(model), weights, "model.weights", name)
+    if opt_values:
+        if model.optimizer is None:
+            raise ValueError(
+                f"The checkpoint {name} holds optimizer variables but the model has no "
+                "optimizer. Fix: compile the model as when the checkpoint was written, "
+                "before restore().")
+        _legacy.assign(_legacy.optimizer_variables(model), opt_values,
+                       "model.optimizer.variables", name)
+
+
+def _check_trainer(position, path):
+    trainer = position.get("trainer")
+    if trainer != _TRAINER:
+        raise ValueError(
+            f"The checkpoint {path} was written by {trainer!r} training (AsyncTrainer), not "
+            "by ResumableCheckpoint in Keras fit: its epochs and steps mean something else. "
+            "Fix: use a new directory for this run.")
+    return position
+
+
+def _iterations(model) -> Optional[int]:
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not optimizer.built:
+        return None
+    return int(optimizer.iterations.numpy())
+
+
+def _check_same_on_all_workers(strategy, step: int, directory: str) -> None:
+    """One collective: every worker must have found the same checkpoint step."""
+    local = np.full(strategy.num_local_replicas, float(step))
+    steps = np.asarray(strategy.gather_replica_values(local))
+    if not np.all(steps == steps[0]):
+        found = sorted({int(s) for s in steps})
+        raise ValueError(
+            f"The workers found different checkpoints in {directory!r} (steps {found}; -1: "
+            "none). Fix: put `directory` on storage every worker sees (a shared file system), "
+            "and call restore() on every worker before fit.")
