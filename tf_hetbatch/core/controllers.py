@@ -744,13 +744,18 @@ class _Controller:
             race.restart(changed=False)
             return target, f"rebalanced: current split out of bounds ({kind})", False
         if not pays:
-            # Waiting: the predicted saving would pay, and its bound, narrowed as the models'
-            # memory fills, could prove it; the split stays put for that data (no search).
-            margin = gain.predicted - gain.sure
-            full = math.sqrt(min(float(np.min(fit.weight)), cfg.memory) / cfg.memory)
-            waiting = gain.predicted > max(margin * full, _ROUNDING * gain.current) and \
-                gain.predicted * (cfg.horizon - SWITCH_WINDOWS) > \
-                cfg.dead_band * gain.current * cfg.horizon
+            # Waiting: the predicted saving would pay, and the data a full memory at this
+            # split brings (weight `memory`, its degrees of freedom) could prove it: the split
+            # stays put for that data (no search: moving sizes would blur the models).
+            k = state.num_replicas
+            q_now = t_quantile(1.0 - cfg.false_move_rate / k, fit.dof)
+            q_full = t_quantile(1.0 - cfg.false_move_rate / k,
+                                max(fit.dof, k * (cfg.memory - (2 if self.affine else 1))))
+            full = q_full / q_now * math.sqrt(min(float(np.min(fit.weight)), cfg.memory)
+                                              / cfg.memory) if math.isfinite(q_now) else 0.0
+            waiting = gain.predicted > max((gain.predicted - gain.sure) * full,
+                                           _ROUNDING * gain.current) and gain.predicted * (
+                cfg.horizon - SWITCH_WINDOWS) > cfg.dead_band * gain.current * cfg.horizon
             return current, f"kept: predicted gain {pct:.1f}%, surely {sure:.1f}%" + (
                 ", waiting for data" if waiting else ""), waiting
         race.restart(changed=False)
