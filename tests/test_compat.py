@@ -325,3 +325,13 @@ def test_coordination_key_value_store_is_the_context_api():
     ctx = context.context()
     assert callable(ctx.set_config_key_value)
     assert "timeout_in_ms" in inspect.signature(ctx.get_config_key_value).parameters
+
+
+def test_a_second_multi_worker_strategy_with_peers_is_warned_of(caplog):
+    # Without peers nothing is said (the suite's own strategies); with peers the second is.
+    with caplog.at_level("WARNING", logger="tf_hetbatch.distribute._compat"):
+        _compat.warn_if_second_multi_worker_strategy(1)
+        assert not caplog.records
+        _compat.warn_if_second_multi_worker_strategy(3)
+        _compat.warn_if_second_multi_worker_strategy(3)
+    assert [r.levelname for r in caplog.records] == ["WARNING"]

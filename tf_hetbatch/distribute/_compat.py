@@ -56,6 +56,24 @@ def assign_collective_key_base(strategy):
     strategy._collective_key_base = next(_collective_key_bases) * _COLLECTIVE_KEY_STRIDE
 
 
+# --- One multi-worker strategy per process (tensorflow: collective ops enabled again) ----------
+# Every MultiWorkerMirroredStrategy enables collective ops when it is created; a second one in a
+# process replaces the collective executor manager (GrpcServer::UpdateServerDef), and a collective
+# a peer already started with the old one is lost: the next broadcast can hang (reproduced with
+# two stock strategies; examples/benchmarks/bench_fixed_cost.py runs one per process for this).
+_multi_worker_strategies = itertools.count()
+
+
+def warn_if_second_multi_worker_strategy(num_workers: int) -> None:
+    """Logs a warning when a second multi-worker strategy with peers is created in a process."""
+    if num_workers > 1 and next(_multi_worker_strategies) >= 1:
+        logger.warning(
+            "A second multi-worker strategy with peers in this process: TensorFlow enables "
+            "collective ops again, which loses collectives the other workers already started, "
+            "so training can hang. Create one HeteroMultiWorkerMirroredStrategy per process "
+            "(e.g. one worker process per run) and reuse it.")
+
+
 # --- Static batch size of a tf.data pipeline -----------------------------------------------------
 def static_batch_size(dataset):
     """The dataset's batch size without partial batches, or None when it cannot be inferred.

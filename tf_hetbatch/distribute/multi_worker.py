@@ -74,6 +74,9 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
             cluster_resolver=cluster_resolver, communication_options=communication_options
         )
         self._sum_tables = None
+        tasks = self.cluster_resolver.cluster_spec().as_dict() if self.cluster_resolver else {}
+        _compat.warn_if_second_multi_worker_strategy(
+            sum(len(tasks.get(role, [])) for role in ("chief", "worker")))
         self._init_hetero()
         # At exit, the tasks wait for each other, so a successful run ends quietly.
         clean_exit.register_exit_together(self.cluster_resolver)
