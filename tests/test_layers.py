@@ -21,7 +21,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "tf_hetbatch")
 LAYERS = ("core", "distribute", "dashboards", "training", "launch")
-ENTRY_MODULES = ("tf_hetbatch", "tf_hetbatch.plot")
+ENTRY_MODULES = ("tf_hetbatch", "tf_hetbatch.plot", "tf_hetbatch.plot.__main__")
 ENTRY = len(LAYERS)  # the rank of the entry modules: above every layer
 FRAMEWORKS = ("tensorflow", "keras", "tensorboard")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tf_hetbatch import plot as plot_cli
+from tf_hetbatch.plot import __main__ as plot_cli
 from tf_hetbatch.dashboards import plot
 from test_summaries import NUM_REPLICAS, write_synthetic_balance_run
 

@@ -1,7 +1,7 @@
 """Command line: `python -m tf_hetbatch.plot LOG_DIR [--out file.png]`.
 
 The picture itself is drawn by `tf_hetbatch.dashboards.plot` (`tf_hetbatch.plot_balance`); this
-module is only its command line.
+module is only its command line (it prints the PNG's path, or the error, as a command does).
 """
 
 import argparse
