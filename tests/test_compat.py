@@ -64,15 +64,27 @@ def test_stock_symbolic_build_reduces_the_data_batch_and_crashes_on_uneven_shape
     build_under(ours, dense_model).fit(x, y, batch_size=32, epochs=1, verbose=0)
 
 
-def test_loss_scale_optimizer_checks_only_the_first_replica_upstream(cpus):
-    """Keras's LossScaleOptimizer applies an overflowed step if replica 0 did not overflow."""
+class OwnStep(keras.Sequential):
+    """A model with its own train_step (Keras's order: the update inside the step)."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+@pytest.mark.parametrize("model_class", [keras.Sequential, OwnStep],
+                         ids=["keras_train_step", "own_train_step"])
+def test_loss_scale_optimizer_checks_only_the_first_replica_upstream(cpus, model_class):
+    """Keras's LossScaleOptimizer applies an overflowed step if replica 0 did not overflow.
+    Ours skips it on every replica: Keras's own train step checks the summed gradients
+    (`weighting.finish_step`), any other step agrees on a flag
+    (`_compat.agree_on_finite_gradients`)."""
     x, y = regression_data(n=32)
     x[16:] *= 1e30  # only the second replica's half overflows
 
     def run(strategy):
         with strategy.scope():
             keras.utils.set_random_seed(1)
-            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+            model = model_class([keras.Input((8,)), keras.layers.Dense(1)])
             model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), "mse")
         before = model.get_weights()
         model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
@@ -335,3 +347,23 @@ def test_a_second_multi_worker_strategy_with_peers_is_warned_of(caplog):
         _compat.warn_if_second_multi_worker_strategy(3)
         _compat.warn_if_second_multi_worker_strategy(3)
     assert [r.levelname for r in caplog.records] == ["WARNING"]
+
+
+def test_keras_train_step_does_nothing_after_the_update_but_the_metrics():
+    """Why the update of Keras's own train step may wait for the step's one all-reduce
+    (`weighting.finish_step`): after `apply_gradients` it only computes and returns the
+    metrics. If Keras changes the step, this fails: re-check `is_keras_own_train_step`."""
+    import inspect
+
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    source = inspect.getsource(TensorFlowTrainer.train_step)
+    assert source.count("apply_gradients(") == 1
+    after = [line.strip() for line in source.split("apply_gradients(", 1)[1].splitlines()[1:]]
+    assert [line for line in after if line and not line.startswith("#")] == [
+        "else:",
+        'warnings.warn("The model does not have any trainable weights.")',
+        "return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)",
+    ]
+    assert _compat.is_keras_own_train_step(keras.Sequential().train_step)
+    assert not _compat.is_keras_own_train_step(OwnStep().train_step)

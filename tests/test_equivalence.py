@@ -116,6 +116,23 @@ def test_loss_reductions_and_sample_weights(cpus, reduction):
     assert max_weight_diff(ref, ours) <= TOL
 
 
+@pytest.mark.parametrize("clip", [{"global_clipnorm": 0.05}, {"clipnorm": 0.02},
+                                  {"clipvalue": 0.01}], ids=["global_clipnorm", "clipnorm",
+                                                             "clipvalue"])
+def test_gradient_clipping_acts_on_the_global_gradient_as_on_one_device(cpus, clip):
+    # The clip bites on every step (thresholds far below the gradient's norm), and acts on the
+    # summed gradient, as one device clips its gradient on the global batch (stock Keras
+    # clips each replica's local gradient before the all-reduce).
+    x, y = regression_data()
+    ref, ours, ref_hist, hist, *_ = _fit_pair(
+        dense_model, x, y, SPLIT, cpus, optimizer=lambda: keras.optimizers.SGD(0.5, **clip))
+    assert max_weight_diff(ref, ours) <= TOL
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    unclipped = build_under(None, dense_model)  # negative control: the clip matters here
+    unclipped.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert max_weight_diff(ref, unclipped) > 1e-3
+
+
 def test_mixed_precision_loss_scaling(cpus):
     # A loss scale low enough that neither run overflows, so both take the same steps.
     x, y = regression_data()

@@ -107,6 +107,15 @@ def keras_model_of_step(fn):
     return None, None
 
 
+def is_keras_own_train_step(fn):
+    """Whether `fn` is Keras's own `train_step` (not a subclass's): it applies the gradients once
+    and after that only updates and reads the metrics, so the update may wait until the end of
+    the step (see `weighting`, "One all-reduce per step")."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return getattr(fn, "__func__", None) is TensorFlowTrainer.train_step
+
+
 # --- keras-team/keras#19246: steps_per_execution > 1 under MirroredStrategy ---------------------
 # Keras 3 builds the multi-step function (`TensorFlowTrainer._make_function`) with the one-step
 # function as a nested `tf.function` inside tf.cond inside tf.while_loop, which fails under
@@ -183,11 +192,13 @@ def _make_function_inlined(self, step_function):
                     execution_step, optional_outputs, next_optional_inputs)
             return execution_step, optional_outputs, next_optional_inputs
 
-        with deferred_global_logs():
+        with deferred_global_logs() as deferral:
             _, final, _ = tf.while_loop(
                 cond, body,
                 loop_vars=[tf.constant(0), empty_outputs, next_as_optional(iterator)])
         final._element_spec = empty_outputs.element_spec
+        if not deferral.used:
+            return final  # every step's logs were global already
         # The last step's logs, made global in one all-reduce per execution (every worker
         # takes the same branch: their data ends together). Installed only under our
         # strategies (`inline_multi_step`), which have `global_logs`.
@@ -217,21 +228,31 @@ def _make_function_inlined(self, step_function):
 _DEFERRED = threading.local()
 
 
+class _Deferral:
+    used = False  # a step of the loop returned logs that are not global yet
+
+
 @contextlib.contextmanager
 def deferred_global_logs():
-    """While tracing a multi-step loop: our strategies' `run` returns logs of the right structure
-    without the cross-replica reduce (`global_logs_deferred()`); only the loop's last logs are
-    read, and `_make_function_inlined` makes those global after the loop."""
-    previous = getattr(_DEFERRED, "on", False)
-    _DEFERRED.on = True
+    """While tracing a multi-step loop: our strategies' `run` may return logs of the right
+    structure without the cross-replica reduce (`defer_global_logs()`); only the loop's last
+    logs are read, and `_make_function_inlined` makes those global after the loop if a step
+    deferred them (Keras's own train step does not: its logs ride on the gradients' all-reduce)."""
+    previous = getattr(_DEFERRED, "state", None)
+    _DEFERRED.state = state = _Deferral()
     try:
-        yield
+        yield state
     finally:
-        _DEFERRED.on = previous
+        _DEFERRED.state = previous
 
 
-def global_logs_deferred():
-    return getattr(_DEFERRED, "on", False)
+def defer_global_logs() -> bool:
+    """Whether a step's logs may stay local (inside a multi-step loop); records that they did."""
+    state = getattr(_DEFERRED, "state", None)
+    if state is None:
+        return False
+    state.used = True
+    return True
 
 
 def check_steps_per_execution(model):
@@ -372,17 +393,38 @@ def is_data_batch_reduce(strategy, reduce_op, value):
 # time it waited for slower replicas. Keras's TensorFlow optimizer all-reduces in the private
 # `TFOptimizer._all_reduce_sum_gradients(grads_and_vars)` (replica context); tf_hetbatch wraps it
 # on the one optimizer instance that does the reduce (a LossScaleOptimizer's inner optimizer).
+# Inside `gradients_already_reduced(optimizer)` the wrapped all-reduce passes the gradients on
+# as they are: tf_hetbatch summed them already (with the logs' sums, in one all-reduce). The
+# flag is a trace-time count on the optimizer, not thread-local state, because a
+# LossScaleOptimizer under MirroredStrategy reaches the all-reduce in new replica threads
+# (`merge_call`, then `call_for_each_replica`).
 def wrap_gradient_all_reduce(optimizer, on_reduced):
     """Wraps `optimizer`'s all-reduce so `on_reduced(reduced_grads)` runs in replica context."""
     target = getattr(optimizer, "inner_optimizer", optimizer)
     original = getattr(target, "_all_reduce_sum_gradients", None)
     if original is None or getattr(target, "_tf_hetbatch_reduce_wrapped", False):
         return
+
     def all_reduce_sum_gradients(grads_and_vars):
+        if getattr(target, "_tf_hetbatch_reduced", 0):
+            return list(grads_and_vars)
         reduced = original(grads_and_vars)
         return on_reduced(list(reduced))
     target._all_reduce_sum_gradients = all_reduce_sum_gradients
     target._tf_hetbatch_reduce_wrapped = True
+    target._tf_hetbatch_reduced = 0
+
+
+@contextlib.contextmanager
+def gradients_already_reduced(optimizer):
+    """While tracing an `apply` of gradients that are already summed across replicas: the
+    optimizer's own all-reduce (wrapped by `wrap_gradient_all_reduce`) does nothing."""
+    target = getattr(optimizer, "inner_optimizer", optimizer)
+    target._tf_hetbatch_reduced += 1
+    try:
+        yield
+    finally:
+        target._tf_hetbatch_reduced -= 1
 
 
 # --- A resumed (shortened) epoch: Keras runs one extra, empty train step ------------------------
@@ -899,24 +941,25 @@ def wait_at_coordination_barrier(barrier_id, timeout_s):
 # --- The global-mean logs in one collective (keras: Metric.stateless_result, KerasVariable) -----
 # Keras reads each metric variable (ON_READ SUM under a strategy) with its own cross-replica
 # reduce: one collective per variable per step (the loss's total and count, each compiled
-# metric's). Reducing all of them in one batch all-reduce (one pack, as for the gradients) and
+# metric's). Summing all of them in one all-reduce (in the train step: with the gradients) and
 # computing the results from the sums with the public `Metric.stateless_result` gives the same
-# values for one collective. The tf.Variable under a Keras variable is `KerasVariable._value`.
-def metric_results_in_one_reduce(strategy, metrics, reduce=True):
-    """`model.get_metrics_result()` for `metrics`, with every variable summed across replicas
-    in one batch all-reduce; None (read them as Keras does) if a variable is not a SUM-on-read
-    distributed variable. With `reduce=False`, the same structure from the first local
-    replica's variables, at no communication."""
-    variables = [v for metric in metrics for v in metric.variables]
-    values = [getattr(v, "_value", None) for v in variables]
+# values for no extra collective. The tf.Variable under a Keras variable is
+# `KerasVariable._value`.
+def summable_metric_variables(metrics):
+    """The distributed tf.Variables of `metrics`' variables, or None (read them as Keras does) if
+    one is not a SUM-on-read distributed variable."""
+    values = [getattr(v, "_value", None) for metric in metrics for v in metric.variables]
     if not values or not all(
             isinstance(d, tf.distribute.DistributedValues)
             and getattr(d, "aggregation", None) == tf.VariableAggregation.SUM for d in values):
         return None
-    if reduce:
-        values = strategy.extended.batch_reduce_to(
-            tf.distribute.ReduceOp.SUM, [(d, d) for d in values])
-    sums = iter([strategy.experimental_local_results(r)[0] for r in values])
+    return values
+
+
+def metric_results_from_sums(metrics, sums):
+    """`model.get_metrics_result()` for `metrics`, from the values of their variables (in the
+    order of `summable_metric_variables`)."""
+    sums = iter(sums)
     results = {}
     for metric in metrics:
         result = metric.stateless_result([next(sums) for _ in metric.variables])
@@ -925,6 +968,21 @@ def metric_results_in_one_reduce(strategy, metrics, reduce=True):
         else:
             results[metric.name] = result
     return results
+
+
+def metric_results_in_one_reduce(strategy, metrics, reduce=True):
+    """Cross-replica context: `model.get_metrics_result()` for `metrics`, with every variable
+    summed across replicas in one batch all-reduce; None (read them as Keras does) if a
+    variable is not a SUM-on-read distributed variable. With `reduce=False`, the same structure
+    from the first local replica's variables, at no communication."""
+    values = summable_metric_variables(metrics)
+    if values is None:
+        return None
+    if reduce:
+        values = strategy.extended.batch_reduce_to(
+            tf.distribute.ReduceOp.SUM, [(d, d) for d in values])
+    return metric_results_from_sums(
+        metrics, [strategy.experimental_local_results(r)[0] for r in values])
 
 
 # --- The coordination service's key-value store (tensorflow: no public API in 2.21) ---------

@@ -364,7 +364,9 @@ class HeteroMixin:
         one device on the whole global batch (see `weighting`), and the replica's
         compute time is recorded. For `train_step` and `test_step`, the returned metric values
         are the true global running means (the stock strategy averages the replicas' local
-        means, which is biased under uneven batches). Any other `fn` runs unchanged: custom
+        means, which is biased under uneven batches). For Keras's own `train_step` the metric
+        sums travel with the gradients in the step's one all-reduce (`weighting.finish_step`);
+        for any other, in a second one after the step. Any other `fn` runs unchanged: custom
         loops get exact gradients by scaling the loss with the global batch size, e.g.
         `tf.nn.compute_average_loss(per_example_loss, global_batch_size=B)`.
         """
@@ -388,6 +390,9 @@ class HeteroMixin:
             if self.batch_sizes is not None:
                 _check_nonempty_sizes(self.batch_sizes)
         accumulators = self._timing if training else None
+        # Keras's own train step: its logs ride on the gradients' all-reduce (weighting.finish_step)
+        carry_logs = training and _compat.is_keras_own_train_step(fn)
+        logs_global = []
 
         def replica_fn(*replica_args, **replica_kwargs):
             weight = None
@@ -397,10 +402,14 @@ class HeteroMixin:
             # the replica's work starts with its inputs, not after the stamp (see _start_stamp).
             replica_args, start_time, samples = _start_stamp(replica_args, check_nonempty)
             step = weighting.ReplicaStep(
-                weight=weight, start_time=start_time, samples=samples, timing=accumulators
+                weight=weight, start_time=start_time, samples=samples, timing=accumulators,
+                carry_logs=carry_logs,
             )
             with weighting.replica_step(step):
                 outputs = fn(*replica_args, **replica_kwargs)
+                if carry_logs:
+                    outputs, is_global = weighting.finish_step(step, model, outputs)
+                    logs_global.append(is_global)
             if step.gradients_applied and not step.loss_scaled:
                 raise ValueError(
                     f"{type(model).__name__}.train_step applied gradients without calling "
@@ -418,9 +427,13 @@ class HeteroMixin:
                  if isinstance(t, tf.Tensor)]
             ):
                 self._allocation.count_trained_step()
+        if logs_global and all(logs_global):  # the same global values on every replica
+            return tf.nest.map_structure(
+                lambda v: self.experimental_local_results(v)[0] if _is_distributed(v) else v,
+                outputs)
         # Within a multi-step loop only the last step's logs are read: they are made global
         # once, after the loop (`_compat.deferred_global_logs`).
-        return self._logs(model, outputs, reduce=not _compat.global_logs_deferred())
+        return self._logs(model, outputs, reduce=not _compat.defer_global_logs())
 
     def _step_total(self, data, mode):
         """Cross-replica context: the step's total amount (samples or sample weight).

@@ -25,14 +25,26 @@ stock strategy gets with even batches, not exact.
 The hook is installed on ONE optimizer instance, the model's, when a tf_hetbatch strategy runs
 that model's train step; outside a tf_hetbatch replica step the adapted methods do exactly what
 the originals do. Installing it also wraps `apply`, to take the per-replica compute time when
-the local gradients are ready, before they are all-reduced, and, for a LossScaleOptimizer, to
-make all replicas agree on skipping an overflowed step (see `_compat.agree_on_finite_gradients`).
+the local gradients are ready, before they are all-reduced.
+
+One all-reduce per step: in Keras's own `train_step` (`ReplicaStep.carry_logs`) the optimizer's
+`apply` only holds the gradients; at the end of the step (`finish_step`) one all-reduce sums the
+gradients together with every metric variable (the loss's total and count, each metric's), the
+update is applied from the summed gradients (the optimizer's own all-reduce passes them on) and
+the step's logs are computed from the sums: true global means at no second collective. Keras's
+`train_step` does nothing after `apply` but update and read the metrics, so holding the update
+to the end of the step changes nothing else. Gradient clipping then acts on the global
+gradient, as on one device (stock Keras clips each replica's local gradient), and a
+LossScaleOptimizer's finite check sees the same summed gradients on every replica. Any other
+train step keeps Keras's order (the gradient all-reduce inside `apply`, the logs in a second
+all-reduce) and, for a LossScaleOptimizer, the replicas agree on skipping an overflowed step
+(see `_compat.agree_on_finite_gradients`).
 """
 
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import keras
 import tensorflow as tf
@@ -61,8 +73,11 @@ class ReplicaStep:
     start_time: Optional[tf.Tensor]
     samples: Optional[tf.Tensor]
     timing: Any = None
+    carry_logs: bool = False  # Keras's own train step: one all-reduce at its end (finish_step)
     loss_scaled: bool = False
     gradients_applied: bool = False
+    held: Optional[Callable[[list], Any]] = None  # applies the held gradients, once summed
+    held_gradients: Optional[list] = None
 
 
 def current_step() -> Optional[ReplicaStep]:
@@ -128,6 +143,11 @@ def adapt_optimizer(optimizer):
             step.gradients_applied = True
             if step.timing is not None:
                 grads = _timed_gradients(step, list(grads))
+            if step.carry_logs:
+                step.held_gradients = list(grads)
+                step.held = lambda summed: _apply_summed(
+                    optimizer, original_apply, summed, trainable_variables)
+                return None  # applied by finish_step, after the step's one all-reduce
             if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
                 grads = _compat.agree_on_finite_gradients(list(grads))
         return original_apply(grads, trainable_variables)
@@ -144,6 +164,54 @@ def adapt_optimizer(optimizer):
     optimizer.scale_loss = scale_loss
     optimizer.apply = apply
     optimizer._tf_hetbatch_adapted = True
+
+
+def _apply_summed(optimizer, original_apply, summed, trainable_variables):
+    with _compat.gradients_already_reduced(optimizer):
+        return original_apply(summed, trainable_variables)
+
+
+def finish_step(step: ReplicaStep, model, outputs):
+    """Replica context, at the end of Keras's own train step: (outputs, logs_are_global).
+
+    The held gradients and the metric variables are summed across replicas in one all-reduce
+    (one per dtype present: a pack is one concatenated tensor), the update is applied from the
+    summed gradients, and every metric result in `outputs` is replaced by its global value.
+    If a metric variable cannot be summed (not SUM-on-read), only the gradients are, and the
+    logs are left to the strategy's usual reduce (logs_are_global False)."""
+    if step.held is None:
+        return outputs, False  # no gradients (no trainable weights): the usual logs reduce
+    grads = step.held_gradients
+    metric_values = _compat.summable_metric_variables(model.metrics)
+    locals_ = [tf.identity(v) for v in metric_values] if metric_values is not None else []
+    dense = [g for g in grads if g is not None]
+    summed = _sum_across_replicas(dense + locals_)
+    summed_grads, sums = summed[:len(dense)], summed[len(dense):]
+    if step.timing is not None:
+        summed_grads = step.timing.record_release(summed_grads)
+    summed_grads = iter(summed_grads)
+    step.held([None if g is None else next(summed_grads) for g in grads])
+    if metric_values is None or not isinstance(outputs, dict):
+        return outputs, False
+    merged = dict(outputs)
+    for name, value in _compat.metric_results_from_sums(model.metrics, sums).items():
+        if name in merged:
+            merged[name] = tf.convert_to_tensor(value)
+    return merged, True
+
+
+def _sum_across_replicas(values):
+    """Replica context: `values` summed across all replicas, one all-reduce per dtype."""
+    ctx = tf.distribute.get_replica_context()
+    by_dtype = {}
+    for i, v in enumerate(values):
+        by_dtype.setdefault(v.dtype, []).append(i)
+    out = [None] * len(values)
+    for indices in by_dtype.values():
+        for i, r in zip(indices, ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                                                [values[i] for i in indices])):
+            out[i] = r
+    return out
 
 
 def _timed_gradients(step, grads):
