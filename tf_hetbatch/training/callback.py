@@ -83,7 +83,8 @@ class DynamicBatching(keras.callbacks.Callback):
     windows count steps, so a window ends at the first call `interval` or more steps after
     the last (an `interval` that is a multiple of n keeps windows equal). Where a step's fixed
     cost is large against its compute (small per-replica batches, throttled or slow hosts),
-    n of 4 to 16 saves Keras's host work per step and pays (see BUILD_NOTES, "Fixed cost").
+    n of 4 to 16 saves Keras's and TensorFlow's host work per step and pays (see BUILD_NOTES,
+    "The fixed cost of a step").
 
     Args:
         initial: the static split. `"flops"` (default): proportional to each replica device's
