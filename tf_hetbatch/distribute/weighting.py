@@ -44,7 +44,7 @@ all-reduce) and, for a LossScaleOptimizer, the replicas agree on skipping an ove
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import keras
 import tensorflow as tf
@@ -76,8 +76,8 @@ class ReplicaStep:
     carry_logs: bool = False  # Keras's own train step: one all-reduce at its end (finish_step)
     loss_scaled: bool = False
     gradients_applied: bool = False
-    held: Optional[Callable[[list], Any]] = None  # applies the held gradients, once summed
-    held_gradients: Optional[list] = None
+    # (local gradients, the function that applies them once summed), held by `apply`
+    held: Optional[Tuple[list, Callable[[list], Any]]] = None
 
 
 def current_step() -> Optional[ReplicaStep]:
@@ -144,9 +144,8 @@ def adapt_optimizer(optimizer):
             if step.timing is not None:
                 grads = _timed_gradients(step, list(grads))
             if step.carry_logs:
-                step.held_gradients = list(grads)
-                step.held = lambda summed: _apply_summed(
-                    optimizer, original_apply, summed, trainable_variables)
+                step.held = (list(grads), lambda summed: _apply_summed(
+                    optimizer, original_apply, summed, trainable_variables))
                 return None  # applied by finish_step, after the step's one all-reduce
             if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
                 grads = _compat.agree_on_finite_gradients(list(grads))
@@ -181,7 +180,7 @@ def finish_step(step: ReplicaStep, model, outputs):
     logs are left to the strategy's usual reduce (logs_are_global False)."""
     if step.held is None:
         return outputs, False  # no gradients (no trainable weights): the usual logs reduce
-    grads = step.held_gradients
+    grads, apply_summed = step.held
     metric_values = _compat.summable_metric_variables(model.metrics)
     locals_ = [tf.identity(v) for v in metric_values] if metric_values is not None else []
     dense = [g for g in grads if g is not None]
@@ -190,8 +189,8 @@ def finish_step(step: ReplicaStep, model, outputs):
     if step.timing is not None:
         summed_grads = step.timing.record_release(summed_grads)
     summed_grads = iter(summed_grads)
-    step.held([None if g is None else next(summed_grads) for g in grads])
-    if metric_values is None or not isinstance(outputs, dict):
+    apply_summed([None if g is None else next(summed_grads) for g in grads])
+    if metric_values is None:
         return outputs, False
     merged = dict(outputs)
     for name, value in _compat.metric_results_from_sums(model.metrics, sums).items():
