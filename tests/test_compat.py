@@ -236,6 +236,27 @@ def test_partial_batch_handling_is_a_per_dataset_flag_read_by_its_iterators(cpus
     assert batches == [[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 0, 0]]
 
 
+def test_iterators_read_the_dataset_options(cpus):
+    # _compat.plain_iterators replaces the options a distributed dataset's iterators read: a
+    # worker's one CPU replica then reads a plain iterator, not a MultiDeviceIterator (which
+    # every PER_WORKER iterator gets upstream, also for one device). If TensorFlow stops
+    # reading them there, the multi-device iterator comes back (correct, slower).
+    from tensorflow.python.data.ops import iterator_ops
+
+    def local_iterator(strategy, data):  # the worker's iterator, and its first batch
+        iterator = iter(strategy.experimental_distribute_dataset(data))
+        first = [t.numpy().tolist() for t in strategy.experimental_local_results(next(iterator))]
+        return type(iterator._iterators[0]._iterator), first
+
+    data = tf.data.Dataset.range(10).batch(4)
+    stock, first = local_iterator(stock_mirrored(cpus[:1]), data)
+    assert stock is not iterator_ops.OwnedIterator and first == [[0, 1, 2, 3]]
+    kind, first = local_iterator(hb.HeteroMirroredStrategy(cpus[:1]), data)
+    assert kind is iterator_ops.OwnedIterator and first == [[0, 1, 2, 3]]
+    kind, first = local_iterator(hb.HeteroMirroredStrategy(cpus[:2]), data)  # 2 replicas
+    assert kind is stock and first == [[0, 1], [2, 3]]
+
+
 def test_next_as_optional_reads_what_it_needs(cpus):
     # _compat.next_as_optional (Keras's multi-step loop, steps_per_execution > 1) rebuilds
     # TensorFlow's get_next_as_optional without the replica count from private parts of the
@@ -367,3 +388,36 @@ def test_keras_train_step_does_nothing_after_the_update_but_the_metrics():
     ]
     assert _compat.is_keras_own_train_step(keras.Sequential().train_step)
     assert not _compat.is_keras_own_train_step(OwnStep().train_step)
+
+
+def test_tensorflow_feeds_a_collective_a_new_instance_key_at_every_call():
+    """Why the step's all-reduce gets its keys from `instance_keys_from_values`: TensorFlow's
+    launcher feeds the instance key at every call (so a cluster resolves every step's
+    collective anew, through task 0). If the first assert fails, TensorFlow fixed keys at trace
+    time itself: re-measure bench_fixed_cost without the adaptation. Traced only: no group."""
+    from tensorflow.python.distribute import collective_util
+    from tensorflow.python.distribute import cross_device_utils
+
+    keys = cross_device_utils.CollectiveKeys(group_key_start=7)
+    launcher = cross_device_utils.CollectiveReplicaLauncher(
+        keys.get_group_key(["/cpu:0"]), 2, keys, "/cpu:0", collective_util.Options())
+    values = [tf.ones([3]), tf.ones([2, 2])]
+
+    def instance_keys(fn):  # the instance key input of each all-reduce traced by fn
+        graph = tf.function(fn).get_concrete_function().graph
+        ops = [op for op in graph.get_operations() if op.type == "CollectiveReduceV2"]
+        return [int(tf.get_static_value(op.inputs[3])) if op.inputs[3].op.type == "Const"
+                else op.inputs[3].op.type for op in ops]
+
+    def two_sums():
+        return [launcher.all_reduce(v) for v in values]
+
+    assert instance_keys(two_sums) == ["Placeholder", "Placeholder"]  # fed at every call
+    with _compat.instance_keys_from_values([launcher], values):
+        first, second = instance_keys(two_sums), instance_keys(two_sums)
+    assert all(isinstance(k, int) and k >= 2 ** 30 for k in first), first
+    assert first == second  # the same keys whenever (and wherever) it is traced
+    assert first[0] != first[1]  # distinct collectives of one function: distinct keys
+    with _compat.instance_keys_from_values([launcher], values[:1]):
+        assert instance_keys(lambda: launcher.all_reduce(values[0])) != first[:1]  # other shapes
+    assert instance_keys(two_sums) == ["Placeholder", "Placeholder"]  # outside: TensorFlow's

@@ -101,26 +101,40 @@ _COLLECTIVES = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveBcastSend
 
 
 def collectives_of(train_function):
-    """{"per_step": n, "per_execution": m} cross-worker collectives of the traced multi-step
-    train function (spe > 1): n inside its step loop, m outside it. None at spe 1."""
+    """{"per_step": n, "per_execution": m, "step_keys": [...]} of the traced multi-step train
+    function (spe > 1): n cross-worker collectives inside its step loop, m outside it, and
+    the instance key of each one in the loop: its value where the graph holds it as a
+    constant (fixed at trace time), "call-time" where it is fed at every call. None at spe 1."""
     multi_step = getattr(train_function, "multi_step", None)
     if multi_step is None:
         return None
     concrete = multi_step._list_all_concrete_functions()[-1]
     graph = concrete.graph.as_graph_def()
     library = {f.signature.name: f for f in graph.library.function}
+    step_keys = []
 
-    def count(nodes):  # (outside any loop, inside a loop)
+    def instance_key(node, nodes):  # CollectiveReduceV2 etc.: inputs (t, size, group, instance)
+        source = nodes.get(node.input[3].split(":")[0])
+        if source is not None and source.op == "Const":
+            return int(source.attr["value"].tensor.int_val[0])
+        return "call-time"
+
+    def count(nodes, in_loop=False):  # (outside any loop, inside a loop)
         outside = inside = 0
+        by_name = {n.name: n for n in nodes}
         for node in nodes:
-            outside += node.op in _COLLECTIVES
+            if node.op in _COLLECTIVES:
+                outside += 1
+                if in_loop:
+                    step_keys.append(instance_key(node, by_name))
             for key, attr in node.attr.items():
                 names = [attr.func.name] if attr.HasField("func") else [
                     f.name for f in attr.list.func]
                 for name in names:
                     if name in library:
-                        o, i = count(library[name].node_def)
-                        if node.op in ("While", "StatelessWhile") and key == "body":
+                        body = node.op in ("While", "StatelessWhile") and key == "body"
+                        o, i = count(library[name].node_def, in_loop or body)
+                        if body:
                             inside += o + i
                         else:
                             outside += o
@@ -128,7 +142,7 @@ def collectives_of(train_function):
         return outside, inside
 
     outside, inside = count(graph.node)
-    return {"per_step": inside, "per_execution": outside}
+    return {"per_step": inside, "per_execution": outside, "step_keys": step_keys}
 
 
 def main():

@@ -286,6 +286,8 @@ class HeteroMixin:
         distributed = self.distribute_datasets_from_function(dataset_fn, options)
         if not self._partial_batch_handling():
             _compat.disable_partial_batch_handling(distributed)
+        if options is None and self._one_cpu_replica():
+            _compat.plain_iterators(distributed)
         if plans and not evaluation:
             self._weights_in_pipeline = plans[0].weights_in_raw
         if plans and plans[0].reason and self._is_chief() and dataset not in self._said_unsplit:
@@ -575,6 +577,11 @@ class HeteroMixin:
 
     def _host_device(self):
         return "/cpu:0"
+
+    def _one_cpu_replica(self):
+        """This process holds one replica, on a CPU (its data needs no per-device iterator)."""
+        devices = self.extended.worker_devices
+        return len(devices) == 1 and tf.DeviceSpec.from_string(devices[0]).device_type == "CPU"
 
     def _replica_range(self):
         return None

@@ -206,10 +206,12 @@ def _sum_across_replicas(values):
     for i, v in enumerate(values):
         by_dtype.setdefault(v.dtype, []).append(i)
     out = [None] * len(values)
-    for indices in by_dtype.values():
-        for i, r in zip(indices, ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                                [values[i] for i in indices])):
-            out[i] = r
+    launchers = _compat.collective_launchers(ctx.strategy)
+    with _compat.instance_keys_from_values(launchers, values):  # resolved once, not per step
+        for indices in by_dtype.values():
+            for i, r in zip(indices, ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                                                    [values[i] for i in indices])):
+                out[i] = r
     return out
 
 
