@@ -271,20 +271,32 @@ def metered(decode, meter):
     return measured
 
 
-def _count_read(record, meter):
+# Records counted in chunks: a map per record (a function call and a variable update each) cost
+# ~20 us a record, ~0.15 s CPU every time an iterator fills a shuffle buffer of 7,680 records,
+# ~0.6 s at a 0.24-CPU cap: an instrument that slowed what it measured. Per chunk: ~1 us a record.
+_COUNT_CHUNK = 256
+
+
+def _count_read(source, meter):
+    """`source` (serialized records) unchanged, adding the bytes of the records read to `meter`
+    (counted per chunk of records as they are read; cardinality kept)."""
     import tensorflow as tf
 
-    size = tf.cast(tf.strings.length(record) + RECORD_FRAMING, tf.float64)
-    added = meter.variable.assign_add(tf.stack([tf.constant(0.0, tf.float64)] * 3 + [size]))
-    with tf.control_dependencies([added]):
-        return tf.identity(record)
+    def count(chunk):
+        size = tf.cast(tf.reduce_sum(tf.strings.length(chunk) + RECORD_FRAMING), tf.float64)
+        added = meter.variable.assign_add(tf.stack([tf.constant(0.0, tf.float64)] * 3 + [size]))
+        with tf.control_dependencies([added]):
+            return tf.identity(chunk)
+
+    counted = source.batch(_COUNT_CHUNK).map(count).unbatch()
+    return counted.apply(tf.data.experimental.assert_cardinality(source.cardinality()))
 
 
 def png_pipeline(records, batch_size, seed=0, augment="heavy", meter=None, repeat=False,
                  shuffle_buffer=None, decode=None):
     """The realistic input pipeline over `png_records` files, batched by the GLOBAL batch size.
 
-    `TFRecordDataset(files)` [`.repeat()`] (with a `meter`: a map that counts the bytes read),
+    `TFRecordDataset(files)` [`.repeat()`] (with a `meter`: the bytes read counted per chunk),
     zipped with a per-sample seed stream
     (`Dataset.random(seed)`, new draws every iteration), `.shuffle(shuffle_buffer, seed)`,
     `.map(decode_function(augment, meter), num_parallel_calls=AUTOTUNE)`, `.batch(batch_size)`.
@@ -311,7 +323,7 @@ def png_pipeline(records, batch_size, seed=0, augment="heavy", meter=None, repea
     if repeat:
         source = source.repeat()
     if meter is not None:
-        source = source.map(lambda record: _count_read(record, meter))
+        source = _count_read(source, meter)
     seeds = tf.data.Dataset.random(seed=seed, rerandomize_each_iteration=True)
     samples = tf.data.Dataset.zip((source, seeds)).shuffle(shuffle_buffer or records.count,
                                                            seed=seed)

@@ -178,11 +178,18 @@ def test_keras_distributes_data_from_fit_evaluate_and_predict_iterators(cpus):
     assert set(_compat.EVALUATION_LOOPS) == {"validation", "evaluate", "predict"}
 
 
-def test_inline_tf_data_map_is_the_private_map_dataset_run_without_inter_op_threads():
-    # The split's bookkeeping runs through _compat.map_inline; if TensorFlow drops the private
-    # _MapDataset or its flag, it falls back to Dataset.map (correct, slower): fail here first.
-    from tensorflow.python.data.ops.map_op import _MapDataset
+def _dataset_graph(dataset):
+    """The GraphDef TensorFlow serializes `dataset` to: its ops and its function library."""
+    serialized = tf.raw_ops.DatasetToGraphV2(input_dataset=dataset._variant_tensor)
+    return tf.compat.v1.GraphDef.FromString(serialized.numpy())
 
+
+def test_the_splits_tf_data_functions_run_inline_as_host_functions():
+    # The split's bookkeeping runs through _compat.map_inline and its flattening through
+    # _compat.flat_map_host: functions with the single-device attribute (no Grappler pass at
+    # every iterator's instantiation), the map run without inter-op threads. If TensorFlow
+    # drops the private pieces, they fall back to Dataset.map / flat_map (correct, slower):
+    # fail here first.
     counter = tf.Variable(tf.constant(0, tf.int64))
 
     def bookkeeping(position, element):
@@ -190,13 +197,24 @@ def test_inline_tf_data_map_is_the_private_map_dataset_run_without_inter_op_thre
         produced = counter.assign_add(1, read_value=True)
         check = tf.raw_ops.Assert(condition=position < 100, data=["position", position])
         with tf.control_dependencies([check]):
-            return produced, element * 2
+            return tf.data.Dataset.from_tensors((produced, element * 2))
 
-    ds = _compat.map_inline(tf.data.Dataset.range(5).enumerate(), bookkeeping)
-    assert isinstance(ds, _MapDataset)
-    assert ds._use_inter_op_parallelism is False
+    mapped = _compat.map_inline(tf.data.Dataset.range(5).enumerate(), bookkeeping)
+    ds = _compat.flat_map_host(mapped, lambda slices: slices)
+    assert ds.element_spec == (tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64))
     assert [tuple(int(v) for v in e) for e in ds] == [(i + 1, 2 * i) for i in range(5)]
     assert int(counter.numpy()) == 5
+
+    graph = _dataset_graph(ds)
+    ops = {node.op: node for node in graph.node}
+    assert ops["MapDataset"].attr["use_inter_op_parallelism"].b is False
+    functions = {f.signature.name: f for f in graph.library.function}
+    for op in ("MapDataset", "FlatMapDataset"):
+        attrs = functions[ops[op].attr["f"].func.name].attr
+        assert attrs["experimental_ints_on_device"].b is True, op
+    # A user's map keeps tf.data's default (multi-device, optimized).
+    user = _dataset_graph(tf.data.Dataset.range(5).map(lambda v: v + 1))
+    assert all("experimental_ints_on_device" not in f.attr for f in user.library.function)
 
 
 def _get_next_op_types(distributed):

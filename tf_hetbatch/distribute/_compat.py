@@ -653,21 +653,86 @@ def _keras_loop_frame(max_depth):
     return caller
 
 
-# --- A tf.data map run in the pipeline's own thread (tensorflow, no public API) ---------------
+# --- The split's own tf.data functions: inline, and instantiated without Grappler (tensorflow) -
 # `Dataset.map` runs its function with inter-op parallelism: its ops are scheduled on the
 # inter-op threads the replicas compute with. For the split's per-batch bookkeeping (a few dozen
 # scalar ops) that scheduling cost more CPU than the ops (several percent of a small model's
 # step on 2 cores, BUILD_NOTES "Overhead"). The MapDataset op's `use_inter_op_parallelism=False`
 # runs the function inline with a single-threaded executor; it is not exposed publicly. The
 # function must not contain v1 control flow (no tf.cond, no tf.debugging.Assert guard).
+# Every tf.data iterator instantiates its pipeline's functions anew, and tf.data runs a function
+# "multi-device" by default, which Grappler optimizes at every instantiation: 3-15 ms CPU per
+# function even for a trivial one, on every iterator (Keras makes two an epoch; at a 0.24-CPU
+# cap four times that). A function with the attribute `experimental_ints_on_device` runs on
+# the pipeline's device alone with no such pass (tensorflow/core/data/captured_function.cc), as
+# TensorFlow's own prefetch-to-device functions do: for the split's functions (host-CPU ops on
+# host variables) nothing is lost. Users' functions keep tf.data's default.
+_HOST_FUNCTION = {"experimental_ints_on_device": True}
+
+
+def _function_dataset(input_dataset, wrapper, make_variant, element_spec=None):
+    """A dataset over `input_dataset` made by one op that takes a tf.data function: the op is
+    `make_variant(input_variant, wrapper, common_args)`, `wrapper` the function's
+    StructuredFunctionWrapper; the elements are `element_spec(wrapper)` (default: its output)."""
+    from tensorflow.python.data.ops import dataset_ops
+
+    class _FunctionDataset(dataset_ops.UnaryDataset):
+        def __init__(self):
+            self._input_dataset = input_dataset
+            self._map_func = wrapper
+            self._name = None
+            variant = make_variant(input_dataset._variant_tensor, wrapper, self._common_args)
+            super().__init__(input_dataset, variant)
+
+        def _functions(self):
+            return [wrapper]
+
+        @property
+        def element_spec(self):
+            return element_spec(wrapper) if element_spec else wrapper.output_structure
+
+    return _FunctionDataset()
+
+
+def _host_dataset(input_dataset, fn, transformation, make_variant, element_spec=None):
+    """`_function_dataset` with `fn` traced as a host function (see above)."""
+    from tensorflow.python.data.ops import structured_function
+
+    wrapper = structured_function.StructuredFunctionWrapper(
+        fn, transformation, dataset=input_dataset, defun_kwargs=dict(_HOST_FUNCTION))
+    return _function_dataset(input_dataset, wrapper, make_variant, element_spec)
+
+
 def map_inline(dataset, fn):
-    """`dataset.map(fn)`, run in the calling thread (falls back to `map` where unavailable)."""
+    """`dataset.map(fn)` with `fn` a host function run in the calling thread (see above)."""
     try:
-        from tensorflow.python.data.ops.map_op import _MapDataset
+        from tensorflow.python.ops import gen_dataset_ops
+
+        def make_variant(variant, wrapper, common_args):
+            return gen_dataset_ops.map_dataset(
+                variant, wrapper.function.captured_inputs, f=wrapper.function,
+                use_inter_op_parallelism=False, preserve_cardinality=True, **common_args)
+
+        return _host_dataset(dataset, fn, "Dataset.map()", make_variant)
     except ImportError as error:  # pragma: no cover - upstream change
         logger.debug("inline tf.data map unavailable (%s): using Dataset.map", error)
         return dataset.map(fn)
-    return _MapDataset(dataset, fn, use_inter_op_parallelism=False)
+
+
+def flat_map_host(dataset, fn):
+    """`dataset.flat_map(fn)` with `fn` a host function (see above)."""
+    try:
+        from tensorflow.python.ops import gen_dataset_ops
+
+        def make_variant(variant, wrapper, common_args):
+            return gen_dataset_ops.flat_map_dataset(
+                variant, wrapper.function.captured_inputs, f=wrapper.function, **common_args)
+
+        return _host_dataset(dataset, fn, "Dataset.flat_map()", make_variant,
+                             element_spec=lambda wrapper: wrapper.output_structure.element_spec)
+    except ImportError as error:  # pragma: no cover - upstream change
+        logger.debug("host tf.data flat_map unavailable (%s): using Dataset.flat_map", error)
+        return dataset.flat_map(fn)
 
 
 # --- The per-step "did every replica get data" check of a distributed iterator (tensorflow) ----
@@ -887,8 +952,6 @@ def replay_map(dataset, step, num_parallel_calls=None):
     otherwise (e.g. batches of another size than a static one). Parallelism is the original
     map's (or `num_parallel_calls`); order is always kept, whatever the original asked for.
     """
-    from tensorflow.python.data.ops import dataset_ops
-    from tensorflow.python.data.ops import structured_function
     from tensorflow.python.ops import gen_dataset_ops
 
     calls = step.num_parallel_calls if num_parallel_calls is None else num_parallel_calls
@@ -898,35 +961,17 @@ def replay_map(dataset, step, num_parallel_calls=None):
         return dataset.map(wrapper._func, num_parallel_calls=None if calls == 1 else calls,
                            deterministic=True)
 
-    class _ReplayedMap(dataset_ops.UnaryDataset):
-        def __init__(self, input_dataset):
-            self._input_dataset = input_dataset
-            self._map_func = wrapper
-            self._name = None
-            if calls == 1:
-                variant = gen_dataset_ops.map_dataset(
-                    input_dataset._variant_tensor, wrapper.function.captured_inputs,
-                    f=wrapper.function, use_inter_op_parallelism=True,
-                    preserve_cardinality=True, **self._common_args,
-                )
-            else:
-                variant = gen_dataset_ops.parallel_map_dataset_v2(
-                    input_dataset._variant_tensor, wrapper.function.captured_inputs,
-                    f=wrapper.function,
-                    num_parallel_calls=tf.constant(calls, tf.int64),
-                    deterministic="true", preserve_cardinality=True, **self._common_args,
-                )
-            super().__init__(input_dataset, variant)
+    def make_variant(variant, wrapper, common_args):
+        if calls == 1:
+            return gen_dataset_ops.map_dataset(
+                variant, wrapper.function.captured_inputs, f=wrapper.function,
+                use_inter_op_parallelism=True, preserve_cardinality=True, **common_args)
+        return gen_dataset_ops.parallel_map_dataset_v2(
+            variant, wrapper.function.captured_inputs, f=wrapper.function,
+            num_parallel_calls=tf.constant(calls, tf.int64), deterministic="true",
+            preserve_cardinality=True, **common_args)
 
-        def _functions(self):
-            return [wrapper]
-
-        @property
-        def element_spec(self):
-            return wrapper.output_structure
-
-    del structured_function  # imported to fail here, not later, if upstream moves it
-    return _ReplayedMap(dataset)
+    return _function_dataset(dataset, wrapper, make_variant)
 
 
 def _accepts(traced_for, spec):
