@@ -465,8 +465,8 @@ def instance_keys_from_values(launchers, values):
         yield
         return
     signature = repr([(v.dtype.name, tuple(s)) for v, s in zip(values, shapes)])
-    for launcher in launchers:
-        state = _adapted_launcher_state(launcher)
+    states = [_adapted_launcher_state(launcher) for launcher in launchers]
+    for state in states:
         if state["depth"] and state["signature"] != signature:
             raise RuntimeError("two tf_hetbatch step all-reduces traced at once on one launcher")
         state["signature"] = signature
@@ -474,8 +474,8 @@ def instance_keys_from_values(launchers, values):
     try:
         yield
     finally:
-        for launcher in launchers:
-            launcher._tf_hetbatch_keys["depth"] -= 1
+        for state in states:
+            state["depth"] -= 1
 
 
 def _adapted_launcher_state(launcher):
@@ -694,45 +694,42 @@ def _function_dataset(input_dataset, wrapper, make_variant, element_spec=None):
     return _FunctionDataset()
 
 
-def _host_dataset(input_dataset, fn, transformation, make_variant, element_spec=None):
-    """`_function_dataset` with `fn` traced as a host function (see above)."""
-    from tensorflow.python.data.ops import structured_function
-
+def _host_dataset(input_dataset, fn, transformation, make_variant, fallback, element_spec=None):
+    """`_function_dataset` with `fn` traced as a host function (see above); `fallback()` (the
+    stock transformation) where TensorFlow's private pieces are gone."""
+    try:
+        from tensorflow.python.data.ops import structured_function
+        from tensorflow.python.ops import gen_dataset_ops
+    except ImportError as error:  # pragma: no cover - upstream change
+        logger.debug("host tf.data functions unavailable (%s): using %s", error, transformation)
+        return fallback()
     wrapper = structured_function.StructuredFunctionWrapper(
         fn, transformation, dataset=input_dataset, defun_kwargs=dict(_HOST_FUNCTION))
-    return _function_dataset(input_dataset, wrapper, make_variant, element_spec)
+    return _function_dataset(input_dataset, wrapper,
+                             lambda *args: make_variant(gen_dataset_ops, *args), element_spec)
 
 
 def map_inline(dataset, fn):
     """`dataset.map(fn)` with `fn` a host function run in the calling thread (see above)."""
-    try:
-        from tensorflow.python.ops import gen_dataset_ops
 
-        def make_variant(variant, wrapper, common_args):
-            return gen_dataset_ops.map_dataset(
-                variant, wrapper.function.captured_inputs, f=wrapper.function,
-                use_inter_op_parallelism=False, preserve_cardinality=True, **common_args)
+    def make_variant(ops, variant, wrapper, common_args):
+        return ops.map_dataset(
+            variant, wrapper.function.captured_inputs, f=wrapper.function,
+            use_inter_op_parallelism=False, preserve_cardinality=True, **common_args)
 
-        return _host_dataset(dataset, fn, "Dataset.map()", make_variant)
-    except ImportError as error:  # pragma: no cover - upstream change
-        logger.debug("inline tf.data map unavailable (%s): using Dataset.map", error)
-        return dataset.map(fn)
+    return _host_dataset(dataset, fn, "Dataset.map()", make_variant, lambda: dataset.map(fn))
 
 
 def flat_map_host(dataset, fn):
     """`dataset.flat_map(fn)` with `fn` a host function (see above)."""
-    try:
-        from tensorflow.python.ops import gen_dataset_ops
 
-        def make_variant(variant, wrapper, common_args):
-            return gen_dataset_ops.flat_map_dataset(
-                variant, wrapper.function.captured_inputs, f=wrapper.function, **common_args)
+    def make_variant(ops, variant, wrapper, common_args):
+        return ops.flat_map_dataset(
+            variant, wrapper.function.captured_inputs, f=wrapper.function, **common_args)
 
-        return _host_dataset(dataset, fn, "Dataset.flat_map()", make_variant,
-                             element_spec=lambda wrapper: wrapper.output_structure.element_spec)
-    except ImportError as error:  # pragma: no cover - upstream change
-        logger.debug("host tf.data flat_map unavailable (%s): using Dataset.flat_map", error)
-        return dataset.flat_map(fn)
+    return _host_dataset(dataset, fn, "Dataset.flat_map()", make_variant,
+                         lambda: dataset.flat_map(fn),
+                         element_spec=lambda wrapper: wrapper.output_structure.element_spec)
 
 
 # --- The per-step "did every replica get data" check of a distributed iterator (tensorflow) ----
