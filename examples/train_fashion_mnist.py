@@ -71,7 +71,7 @@ class Progress(keras.callbacks.Callback):
     def __init__(self, chief, every, total_steps):
         super().__init__()
         self.chief, self.every, self.total = chief, every, total_steps
-        self.epoch_times, self.step_times = [], []
+        self.epoch_times, self.step_times, self.first_step_times = [], [], []
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = time.perf_counter()
@@ -85,6 +85,8 @@ class Progress(keras.callbacks.Callback):
         # counts a whole execution at an epoch's end).
         done = min(batch + 1, self.total)
         steps, before = max(done - self._done, 1), self._done
+        if before == 0:  # from the epoch's start: its iterator, the previous one's release
+            self.first_step_times.append(time.perf_counter() - self._epoch_start)
         self._done = done
         self.step_times.extend([(time.perf_counter() - self._t) / steps] * steps)
         if self.chief and self.every and done // self.every > before // self.every:
@@ -222,6 +224,7 @@ def main(argv=None):
         "global_batch": args.batch,
         "steps_per_execution": args.steps_per_execution,
         "epoch_seconds": progress.epoch_times,
+        "first_step_seconds": progress.first_step_times,
         "step_ms_median": float(np.median(progress.step_times[warmup:]) * 1e3),
         "step_ms_late_median": float(np.median(progress.step_times[len(progress.step_times) // 2:]) * 1e3),
         "balance_efficiency": float(np.mean(balance)) if balance else None,

@@ -439,3 +439,37 @@ def test_tensorflow_feeds_a_collective_a_new_instance_key_at_every_call():
     with _compat.instance_keys_from_values([launcher], values[:1]):
         assert instance_keys(lambda: launcher.all_reduce(values[0])) != first[:1]  # other shapes
     assert instance_keys(two_sums) == ["Placeholder", "Placeholder"]  # outside: TensorFlow's
+
+
+def test_destroying_a_used_iterator_releases_the_gil():
+    # iterator_release destroys used iterators on a thread of its own, because their
+    # destruction can wait seconds for tf.data's autotuning thread. That keeps the training
+    # loop going only while TensorFlow releases the GIL as it destroys a tensor handle
+    # (EagerTensor_dealloc). Here a destruction waits for two map calls in flight (chains of
+    # matrix products); the main thread must run Python meanwhile.
+    import threading
+    import time
+
+    big = tf.random.normal((1000, 1000))
+
+    def slow(i):
+        x = big
+        for _ in range(8):
+            x = tf.matmul(x, big) / 1000.0
+        return tf.reduce_sum(x) + tf.cast(i, tf.float32)
+
+    iterator = iter(tf.data.Dataset.range(100).map(slow, num_parallel_calls=2).prefetch(4))
+    next(iterator)
+    time.sleep(0.05)  # the next calls are in flight
+    held = [iterator]
+    del iterator
+    releasing = threading.Thread(target=held.clear)
+    started = time.perf_counter()
+    releasing.start()
+    turns = 0
+    while releasing.is_alive() and time.perf_counter() - started < 60:
+        time.sleep(0.001)
+        turns += 1
+    releasing.join(60)
+    assert not releasing.is_alive()
+    assert turns >= 10, f"the main thread ran {turns} times during the destruction"

@@ -754,6 +754,36 @@ def disable_partial_batch_handling(distributed):
     return distributed
 
 
+# --- A used iterator's destruction waits for tf.data's autotuning thread (tensorflow) ----------
+# Destroying a tf.data iterator that has produced elements, with autotuning on, joins its
+# autotuning thread (`RootDataset::Iterator::~Iterator` -> `LogicalThreadWrapper`), which often
+# waits until that thread's sleep ends (up to 60 s), with no CPU used; Keras drops an epoch's iterator at the next epoch's first step,
+# so the training loop waits, and across workers all workers do (see `iterator_release`). The
+# iterators of a distributed dataset come from its class's `__iter__`: the one instance gets a
+# subclass (no new state) whose `__iter__` hands each eager iterator to `hold`, which destroys
+# it off the training loop. Canary `test_compat.py -k releases_the_gil`: the off-thread
+# destruction helps only while TensorFlow releases the GIL when it destroys a tensor handle.
+_HELD_ITERATORS_CLASSES = {}
+
+
+def hold_iterators(distributed, hold):
+    """Makes `iter(distributed)` hand each eager iterator to `hold(iterator)` as well."""
+    base = type(distributed)
+    held = _HELD_ITERATORS_CLASSES.get((base, hold))
+    if held is None:
+        def __iter__(self):
+            iterator = base.__iter__(self)
+            if tf.executing_eagerly():
+                hold(iterator)
+            return iterator
+
+        held = type(base.__name__, (base,), {"__iter__": __iter__, "__module__": base.__module__,
+                                             "__qualname__": base.__qualname__})
+        _HELD_ITERATORS_CLASSES[base, hold] = held
+    distributed.__class__ = held
+    return distributed
+
+
 # --- One CPU replica on a worker: a plain iterator (tensorflow: a MultiDeviceIterator always) ---
 # The iterators of a distributed dataset feed a worker's replicas through a MultiDeviceIterator
 # whenever the replication is PER_WORKER (`input_lib._should_use_multi_device_iterator`), also

@@ -15,6 +15,7 @@ from tf_hetbatch.distribute import _compat
 from tf_hetbatch.distribute import device_peaks
 from tf_hetbatch.distribute import input_split
 from tf_hetbatch.distribute import input_work
+from tf_hetbatch.distribute import iterator_release
 from tf_hetbatch.distribute import timing
 from tf_hetbatch.distribute import weighting
 
@@ -240,6 +241,10 @@ class HeteroMixin:
         Keras call that distributes it (`_compat.keras_loop_distributing_data`), the same on
         every worker; data a custom loop distributes is training data.
 
+        Its iterators are destroyed off the caller's thread once nothing refers to them (a
+        used tf.data iterator's destruction can wait seconds for tf.data's autotuning thread;
+        see `iterator_release`).
+
         Args:
             dataset: a `tf.data.Dataset` batched by the global batch size.
             options: `tf.distribute.InputOptions`, as for the stock strategy.
@@ -288,6 +293,7 @@ class HeteroMixin:
             _compat.disable_partial_batch_handling(distributed)
         if options is None and self._one_cpu_replica():
             _compat.plain_iterators(distributed)
+        _compat.hold_iterators(distributed, iterator_release.hold)
         if plans and not evaluation:
             self._weights_in_pipeline = plans[0].weights_in_raw
         if plans and plans[0].reason and self._is_chief() and dataset not in self._said_unsplit:
