@@ -144,6 +144,7 @@ def main(argv=None):
     rows = [
         ("time per epoch (s)", [f"{e:.1f}" for e in (even["epoch_seconds"][-1], dyn["epoch_seconds"][-1])]),
         ("step time, median (ms)", [f"{r['step_ms_late_median']:.0f}" for r in (even, dyn)]),
+        ("the epoch's first step (s)", [f"{r['first_step_seconds'][-1]:.2f}" for r in (even, dyn)]),
         ("balance efficiency", [f"{r['balance_efficiency']:.0%}" if r["balance_efficiency"] else "-"
                                 for r in (even, dyn)]),
         ("final split", [str(r["final_batch_sizes"]) for r in (even, dyn)]),
