@@ -123,7 +123,8 @@ def test_fit_destroys_every_used_iterator_off_the_training_loop(cpus, monkeypatc
     model.evaluate(data, verbose=0)
     assert len(used) >= 5  # an iterator per epoch, Keras's spare one and evaluate's
     assert wait_until(lambda: keeper.num_held == 0)
-    assert wait_until(lambda: len(threads) == len(used))
+    # a destruction may wait for its autotuning thread's sleep (<= its iterator's age here)
+    assert wait_until(lambda: len(threads) == len(used), timeout=iterator_release.EXIT_TIMEOUT_S)
     assert set(threads) == {DESTROYER}
     assert keeper.close(timeout=10)
 
