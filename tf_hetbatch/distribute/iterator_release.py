@@ -146,8 +146,3 @@ def hold(iterator) -> None:
             atexit.register(_keeper.close)
         keeper = _keeper
     keeper.hold(iterator)
-
-
-def process_keeper() -> Optional[IteratorKeeper]:
-    """This process's keeper, if anything was handed to it yet."""
-    return _keeper
