@@ -33,7 +33,7 @@ def wait_until(condition, timeout=10.0):
     return True
 
 
-def test_an_iterator_is_destroyed_on_the_keepers_thread_once_nothing_else_refers_to_it():
+def test_an_iterator_is_destroyed_off_the_callers_thread_once_nothing_else_refers_to_it():
     keeper = iterator_release.IteratorKeeper(poll_s=0.01)
     threads = []
     thing = Thing()

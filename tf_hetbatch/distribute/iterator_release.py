@@ -106,12 +106,12 @@ class IteratorKeeper:
     def _look(self) -> None:
         while not self._stop.wait(self._poll_s):
             with self._lock:
-                kept, unused = [], []
+                kept, unreferenced = [], []
                 for i in range(len(self._held)):
                     only_here = sys.getrefcount(self._held[i]) <= _ONLY_HELD_HERE
-                    (unused if only_here else kept).append(self._held[i])
+                    (unreferenced if only_here else kept).append(self._held[i])
                 self._held = kept
-                self._destroy(unused)
+                self._destroy(unreferenced)
                 if not self._held:  # decided under the lock, so `hold` starts a new thread
                     self._thread = None
                     return
