@@ -124,13 +124,17 @@ def test_bench_sweep_interference_tiny_mode(tmp_path):
 
 def test_bench_accuracy_tiny_mode(tmp_path):
     out = tmp_path / "accuracy.json"
-    proc = _run("bench_accuracy.py", "--steps", "4", "--seed", "3", "--out", str(out))
+    proc = _run("bench_accuracy.py", "--steps", "4", "--seed", "3", "--out", str(out),
+                "--initial", "flops", "--steps-per-execution", "2")
     data = json.loads(out.read_text()) if out.exists() else {}
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| policy | train s / epoch" in proc.stdout
     for key in ("runs", "rounds", "speedup_epoch", "max_accuracy_gap", "target"):
         assert key in data
+    assert (data["initial"], data["steps_per_execution"]) == ("flops", 2)
     assert {r["mode"] for r in data["runs"]} == {"even", "dynamic"}
+    dynamic = next(r for r in data["runs"] if r["mode"] == "dynamic")
+    assert isinstance(dynamic["windows"], list)  # the controller's input, for analysis
     for run in data["runs"]:
         assert len(run["test_accuracy"]) == data["epochs"] == len(run["train_seconds"])
         assert all(0.0 <= a <= 1.0 for a in run["test_accuracy"])

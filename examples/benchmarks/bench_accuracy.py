@@ -3,13 +3,16 @@
 One cluster run of 3 workers with CPU caps in the shape 3:5:12 (default 0.24/0.4/0.96, the
 demo's cluster). In that one process per worker, `--repeats` rounds each train a fresh model
 (same seed, same data order) twice, interleaved: once at the even split (stock behaviour), once
-with `DynamicBatching(initial="uniform")`, evaluating on the test set after every epoch.
+with `DynamicBatching(initial=...)` (`--initial`: "uniform", the default, makes the controller
+learn every speed from the even split; "flops" is DynamicBatching's own default, which reads
+the CPU quotas), evaluating on the test set after every epoch.
 Training is exact under any split, so accuracy per epoch is the same (up to float rounding);
 only the time differs. Time to target = summed training time (validation excluded) up to the
 end of the first epoch whose test accuracy reaches `--target`.
 
 Usage:
     python examples/benchmarks/bench_accuracy.py --out /tmp/tf_hetbatch_bench/accuracy.json
+    python examples/benchmarks/bench_accuracy.py --initial flops --steps-per-execution 8
     python examples/benchmarks/bench_accuracy.py --steps 4     # tiny smoke run (no caps)
 """
 
@@ -44,6 +47,11 @@ def main(argv=None):
     parser.add_argument("--filters", type=int, default=None,
                         help="conv filters of --model cnn (default 16; tiny mode 4)")
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--initial", default="uniform", choices=["uniform", "flops"],
+                        help="DynamicBatching's static split: uniform (default: the controller "
+                             "learns every speed) or flops (its own default: CPU quotas seen)")
+    parser.add_argument("--steps-per-execution", type=int, default=1,
+                        help="Keras's steps_per_execution, both runs (default 1)")
     parser.add_argument("--train-samples", type=int, default=12800)
     parser.add_argument("--test-samples", type=int, default=2048)
     parser.add_argument("--cap-after", type=float, default=20.0,
@@ -60,6 +68,7 @@ def main(argv=None):
     started = time.time()
     plan = {"task": "accuracy", "model": args.model, "filters": args.filters,
             "batch": args.batch, "epochs": epochs, "seed": args.seed,
+            "initial": args.initial, "steps_per_execution": args.steps_per_execution,
             "train_samples": args.steps * args.batch if tiny else args.train_samples,
             "test_samples": 2 * args.batch if tiny else args.test_samples,
             "runs": ["even", "dynamic"] * args.repeats}
@@ -92,7 +101,8 @@ def main(argv=None):
     lines = [f"bench_accuracy, {when}: {len(result['caps'])} workers, caps {result['caps']} ({result['cap_method']}), model "
              f"{args.model} --filters {args.filters}, B={args.batch}, {plan['train_samples']} "
              f"train / {plan['test_samples']} test samples, {epochs} epochs, target test "
-             f"accuracy {args.target}, seed {args.seed}, {args.repeats} round(s) interleaved "
+             f"accuracy {args.target}, initial {args.initial!r}, steps_per_execution "
+             f"{args.steps_per_execution}, seed {args.seed}, {args.repeats} round(s) interleaved "
              f"in one cluster run; median (min-max) over rounds.", ""]
     rows = []
     for mode in ("even", "dynamic"):
@@ -131,6 +141,8 @@ def main(argv=None):
     bc.write_json(json_path, {"benchmark": "bench_accuracy", "date": when, "seed": args.seed,
                               "tiny": tiny, "caps": caps, "target": args.target,
                               "epochs": epochs, "model": args.model, "batch": args.batch,
+                              "initial": args.initial,
+                              "steps_per_execution": args.steps_per_execution,
                               "repeats": args.repeats, "cap_method": result["cap_method"],
                               "data": result["data"], "runs": runs, "rounds": rounds,
                               "speedup_epoch": speed_epoch, "speedup_to_target": speed_target,

@@ -146,7 +146,8 @@ def build_model(strategy, plan):
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                           metrics=["accuracy"])
             return model
-        return make_model(plan["model"], plan.get("filters", 16))
+        return make_model(plan["model"], plan.get("filters", 16),
+                          plan.get("steps_per_execution", 1))
 
 
 def best_static(strategy, phases, prefix="grid"):
@@ -290,7 +291,8 @@ def task_accuracy(strategy, plan, chief):
                      "loss": timer.loss,
                      "final_sizes": list(strategy.batch_sizes or []),
                      "adjustments": max(len(dynamic.history) - 1, 0) if dynamic else 0,
-                     "history": dynamic.history if dynamic else []})
+                     "history": dynamic.history if dynamic else [],
+                     "windows": dynamic.windows if dynamic else []})
     return {"data": source, "runs": runs}
 
 

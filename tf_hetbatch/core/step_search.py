@@ -12,9 +12,11 @@ value on every worker) and keeps the winner:
   replicas to the fast, d < 0 back. Arm d is the held split (the incumbent, at the tilt the
   last race kept) moved as the models' unrounded equal-finish split moves from the
   incumbent's tilt to d (equal replicas: no move, no race). The race starts with the
-  incumbent and d + 1, the direction unseen costs of slow replicas call for (d - 1 if no
-  arm is worth a visit that way); the rule still judges during a race, from the incumbent,
-  and ends it when its own split is surely faster.
+  incumbent, d + 1, the direction unseen costs of slow replicas call for, and the tilt the
+  held split's step time implies if further (the most unseen work the step leaves room for:
+  a throttled worker's fixed cost can be many steps); d - 1 if no arm is worth a visit that
+  way. The rule still judges during a race, from the incumbent, and ends it when its own
+  split is surely faster.
 - Visits go round robin in the order of d, so a drifting machine hits every arm alike. Each
   visit costs two windows: the one straddling the switch and the one measured.
 - After each window, arm j leaves the race unless what it might still save over the rest of
@@ -287,9 +289,10 @@ class Search:
         self.race = {"incumbent": self.tilt, "arms": [self.tilt]}
         base = self.base or _cell()
         fastest = math.exp(base["s1"] / base["n"]) if base["n"] else math.inf
-        for d in (self.tilt + 1, self.tilt - 1):  # the other way only if none this way
-            if len(self.race["arms"]) > 1:
-                break
+        implied = self._implied_tilt(current, fastest)
+        for d in (self.tilt + 1, implied, self.tilt - 1):  # down only if nothing up
+            if d is None or (d < self.tilt and len(self.race["arms"]) > 1):
+                continue
             split = self._arm_split(d)
             if self._worth(split, fastest):
                 self.splits = np.concatenate([self.splits, split[:, None]], axis=1)
@@ -317,6 +320,18 @@ class Search:
         nxt = self._next()
         return self.splits[:, nxt].copy(), (
             f"step-time search: racing {len(arms)} candidates around {current.tolist()}")
+
+    def _implied_tilt(self, current, step_time: float) -> Optional[int]:
+        """The tilt the held split's step time implies, if beyond the next one up (else None):
+        the largest d at which no replica's model with d steps of unseen work,
+        alpha_k + beta_k b_k + d theta beta_k, exceeds the step time. (All of the step beyond
+        the compute counts as unseen work stretched like the compute, so this is the most
+        the step time allows; a throttled worker's fixed cost is often many tilt steps.)"""
+        if not math.isfinite(step_time):
+            return None
+        room = step_time - (self.alpha + self.beta * np.asarray(current, np.float64))
+        d = math.floor(float(np.min(room / (self._theta(self.alpha.size) * self.beta))))
+        return d if d > self.tilt + 1 else None
 
     def step(self):
         """One racing window done (at the split in force): (next split, reason)."""
