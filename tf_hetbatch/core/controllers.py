@@ -566,6 +566,8 @@ class _Controller:
             race.add_times(times, accepted)
         if changed.any() or race.changed:
             race.restart()
+            if searching and at_split:  # the step times start again from the confirming window
+                race.observe(step_time)
             notes.append("change on " + (f"replica(s) {np.flatnonzero(changed).tolist()}"
                                          if changed.any() else "the step time"))
         target = current
