@@ -32,7 +32,9 @@ One mechanism (BUILD_NOTES.md, "The batch-size controller"), in four parts:
    splits around the held one, each assuming d steps of unseen work on every replica (its
    own time for `search_step * B / K` samples); see `tf_hetbatch.core.step_search`. An arm stays
    in the race while what it might still save over the rest of the horizon pays for another
-   visit; the winner's d is kept for the rule's later targets.
+   visit; the winner's d is kept for the rule's later targets. The step time judges the
+   rule's moves too: a move that it shows surely slower than the fastest split measured
+   since the last change goes back there, and the rule holds off until a change.
 
 Example:
     >>> ctrl = ModelBasedController()
@@ -578,8 +580,14 @@ class _Controller:
             target, reason, _ = self._decide(state, fit, hi, race, forced=True)
         elif not at_split:
             reason = "kept: the window straddles a switch"
+        elif searching and (back := race.judge(current)) is not None:
+            target = back
+            reason = (f"back to {back.tolist()}: the step time shows the rule's move surely "
+                      f"slower ({race.held_ms()})")
         elif np.any(stats["held_sign"] != 0):
             reason = "kept: a window held back is checked at the same split"
+        elif race.vetoed:
+            reason = "kept: the step time chose this split over the rule's move"
         elif race.racing:
             # The rule still judges, from the split the race would go back to: a sure gain
             # of its own (new data identified a slope, say) ends the race.
@@ -760,7 +768,7 @@ class _Controller:
                 cfg.horizon - SWITCH_WINDOWS) > cfg.dead_band * gain.current * cfg.horizon
             return current, f"kept: predicted gain {pct:.1f}%, surely {sure:.1f}%" + (
                 ", waiting for data" if waiting else ""), waiting
-        race.restart(changed=False)
+        race.restart(changed=False, leaving=current)
         return target, f"rebalanced: predicted gain {pct:.1f}%, surely {sure:.1f}% ({kind})", \
             False
 

@@ -40,9 +40,16 @@ value on every worker) and keeps the winner:
   later targets. The held split's step time is then watched by the shared change detector;
   a change there (or one the time models see) forgets the step times and, once the rule
   holds again, starts a new race.
+- The step time judges the rule's moves as it judges arms: a move keeps the fastest split
+  measured since the last change, with its windows, as the fallback. Once the split(s)
+  measured after the move (two windows at least; in a race, its best arm) are surely slower
+  than the fallback, the controller goes back to it and holds it, the rule's moves off, until
+  a change (the time models were wrong about what the step time sees, e.g. a quota's
+  staircase read as a slope).
 
 State: a small JSON-compatible dict in `ControllerState.search`; the per-replica arrays (the
-race's models and its arms' splits) in `ControllerState.stats` under `search_*`.
+race's models and its arms' splits, the fallback's split) in `ControllerState.stats` under
+`search_*`.
 """
 
 from __future__ import annotations
@@ -61,13 +68,17 @@ __all__ = ["Search", "plain", "settled", "ARRAYS"]
 VISIT_WINDOWS = 2
 # Windows a switch leaves unmeasured (see controllers.SWITCH_WINDOWS).
 _SWITCH_WINDOWS = VISIT_WINDOWS - 1
+# Windows after a rule's move before the step time may judge it: two in a row, as the
+# change detector (one window may be an outlier).
+_JUDGED_AFTER = 2
 IDLE, RACING, HOLDING = "idle", "racing", "holding"
 # Per-replica arrays of a race, kept in `ControllerState.stats` (first axis = replica).
 # (The levels: each replica's windows at each arm, count / time / time squared, so the
 # shared detector compares a replica's window with its windows at the same size in a race.)
-ARRAYS = ("search_alpha", "search_beta", "search_splits", "search_level_n", "search_level_t",
-          "search_level_tt")
-_LEVELS = ARRAYS[3:]
+_RACE_ARRAYS = ("search_alpha", "search_beta", "search_splits", "search_level_n",
+                "search_level_t", "search_level_tt")
+_LEVELS = _RACE_ARRAYS[3:]
+ARRAYS = _RACE_ARRAYS + ("search_fallback",)
 
 
 def plain(value: Any) -> Any:
@@ -126,10 +137,16 @@ class Search:
         self.noise_dof = float(state.get("noise_dof", 0.0))
         self.base = dict(state["base"]) if state.get("base") else None
         self.held = dict(state["held"]) if state.get("held") else None
+        # The fastest split measured since the last change that a rule's move left (its
+        # windows; its split in `arrays`), and whether the controller went back to it (`judge`).
+        self.fallback = dict(state["fallback"], split=np.rint(
+            arrays["search_fallback"]).astype(np.int64)) if state.get("fallback") and \
+            "search_fallback" in arrays else None
+        self.vetoed = bool(state.get("vetoed", False))
         race = state.get("race")
         self.race = {k: (list(v) if isinstance(v, list) else v) for k, v in race.items()} \
             if race else None
-        if self.race is not None and all(k in arrays for k in ARRAYS):
+        if self.race is not None and all(k in arrays for k in _RACE_ARRAYS):
             self.alpha = np.asarray(arrays["search_alpha"], np.float64)
             self.beta = np.asarray(arrays["search_beta"], np.float64)
             self.splits = np.rint(arrays["search_splits"]).astype(np.int64)
@@ -147,14 +164,19 @@ class Search:
 
     def to_state(self) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
         """(the new `ControllerState.search`, its per-replica arrays for `stats`)."""
+        fallback = self.fallback
         state = plain({"phase": self.phase, "tilt": self.tilt, "held_sign": self.held_sign,
                        "noise_ss": self.noise_ss, "noise_dof": self.noise_dof,
-                       "base": self.base, "race": self.race, "held": self.held})
+                       "base": self.base, "race": self.race, "held": self.held,
+                       "fallback": None if fallback is None else
+                       {k: fallback[k] for k in ("n", "s1", "s2")}, "vetoed": self.vetoed})
+        arrays = {} if fallback is None else {
+            "search_fallback": fallback["split"].astype(np.float64)}
         if not self.racing:
-            return state, {}
+            return state, arrays
         return state, {"search_alpha": self.alpha, "search_beta": self.beta,
                        "search_splits": self.splits.astype(np.float64),
-                       **dict(zip(_LEVELS, self.levels))}
+                       **dict(zip(_LEVELS, self.levels)), **arrays}
 
     # ----- splits -----------------------------------------------------------------------
     def _theta(self, num: int) -> float:
@@ -258,12 +280,74 @@ class Search:
             _add(self.held, y)
 
     # ----- transitions ------------------------------------------------------------------
-    def restart(self, changed: bool = True) -> None:
-        """The rule moved (`changed` False) or conditions changed: forget the step times
-        measured (and after a change their noise too); keep the tilt."""
-        self.phase, self.base, self.race, self.held, self.held_sign = IDLE, None, None, None, 0.0
+    def restart(self, changed: bool = True, leaving=None) -> None:
+        """The rule moved away from `leaving` (`changed` False) or conditions changed: forget
+        the step times measured (and after a change their noise and the fallback too); keep
+        the tilt. A rule's move keeps the fastest split measured so far as the fallback."""
         if changed:
             self.noise_ss = self.noise_dof = 0.0
+            self.fallback = None
+        else:
+            left = self._measured(leaving)
+            if left is not None and (self.fallback is None or _mean(left) < _mean(self.fallback)):
+                self.fallback = left
+            if self.racing:  # the race's noise joins the pool, as a finished race's does
+                noise, dof = self._pooled()
+                self.noise_ss, self.noise_dof = noise * dof, dof
+        self.phase, self.base, self.race, self.held, self.held_sign = IDLE, None, None, None, 0.0
+        self.vetoed = False
+
+    def _measured(self, current) -> Optional[Dict[str, Any]]:
+        """The split the step time has measured now (`current` outside a race; in a race its
+        best arm) with its windows, or None."""
+        if self.racing:
+            b = self._best()
+            if b is None:
+                return None
+            cell = {k: self.race[k][b] for k in ("n", "s1", "s2")}
+            return {"split": self.splits[:, b].copy(), **cell}
+        cell = self.held if self.phase == HOLDING else self.base
+        if current is None or not cell or cell["n"] < 1:
+            return None
+        return {"split": np.asarray(current, np.int64).copy(),
+                **{k: cell[k] for k in ("n", "s1", "s2")}}
+
+    def held_ms(self) -> str:
+        """The held split's step time, for reasons."""
+        return _ms(self.held) if self.held else "unmeasured"
+
+    def judge(self, current) -> Optional[np.ndarray]:
+        """After a window at the split in force `current`: the fallback's split if the
+        step time shows what was measured since the rule's move surely slower than it (the
+        controller then holds it, the rule's moves off until a change), else None."""
+        fallback = self.fallback
+        mine = None if fallback is None else self._measured(current)
+        if mine is None or np.array_equal(mine["split"], fallback["split"]):
+            return None
+        if (sum(self.race["n"]) if self.racing else mine["n"]) < _JUDGED_AFTER:
+            return None
+        # The noise: the race's pooled, the held split's, or the pool and these windows';
+        # and the fallback's own windows around their mean.
+        if self.racing:
+            noise, dof = self._pooled()
+            ss = noise * dof
+        elif self.phase == HOLDING:
+            ss, dof = self.held["noise"] * self.held["dof"], self.held["dof"]
+        else:
+            ss, dof = self.noise_ss + _ss(mine), self.noise_dof + mine["n"] - 1
+        ss, dof = ss + _ss(fallback), dof + fallback["n"] - 1
+        noise = max(ss, 0.0) / dof if dof > 0 else 0.0
+        q = t_quantile(1.0 - self.cfg.false_move_rate, dof)
+        slower = _mean(mine) - _mean(fallback)
+        bound = q * math.sqrt(noise * (1.0 / mine["n"] + 1.0 / fallback["n"]))
+        if not (math.isfinite(bound) and slower > bound + math.log1p(self.cfg.dead_band)):
+            return None
+        self.noise_ss, self.noise_dof = noise * dof, dof
+        self.phase, self.race, self.base, self.held_sign = HOLDING, None, None, 0.0
+        self.held = {**{k: fallback[k] for k in ("n", "s1", "s2")}, "noise": noise,
+                     "dof": dof}
+        self.fallback, self.vetoed = None, True
+        return fallback["split"]
 
     def switched(self, target) -> None:
         """The controller moved to `target`."""
@@ -456,6 +540,15 @@ class Search:
         at = race["arms"][race["at"]] if race["at"] >= 0 else min(race["arms"]) - 1
         later = [j for d, j in order if d > at]
         return later[0] if later else order[0][1]
+
+
+def _mean(cell) -> float:
+    return cell["s1"] / cell["n"]
+
+
+def _ss(cell) -> float:
+    """Squared deviations of a cell's windows from their mean."""
+    return cell["s2"] - cell["s1"] * cell["s1"] / cell["n"]
 
 
 def _ms(cell) -> str:
