@@ -11,7 +11,7 @@ per sample in a tf.data pipeline (`--pipeline png`, the default; `--augment ligh
 only); each worker decodes only its own replicas' samples (`--input-work unsplit`: every
 worker decodes every sample). `--pipeline arrays` trains from in-memory arrays instead.
 
-    python examples/demo.py              # about 3 minutes on 2 cores (longer when loaded)
+    python examples/demo.py              # 4-6 minutes on 2 cores (longer when loaded)
     python examples/demo.py --steps 3    # tiny mode (the test suite runs it)
 """
 

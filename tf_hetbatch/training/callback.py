@@ -72,9 +72,9 @@ class DynamicBatching(keras.callbacks.Callback):
        `update` also gets `step_time=`: in synchronous training the window's mean step
        time (the slowest worker's, gathered with the times in one collective), else None.
        The built-in controllers then refine the split their model settled on by trying
-       neighbouring splits and keeping a measurably faster one (`step_time_search`), since
-       compute times alone miss costs such as a CPU quota spent in periods or a
-       collective's wait.
+       neighbouring splits and keeping a measurably faster one (`step_time_search`), and go
+       back from a move of their model that the step time shows slower, since compute
+       times alone miss costs such as a CPU quota spent in periods or a collective's wait.
 
     The same measurements always give the same split (controllers are pure functions of their
     state and inputs), so runs are reproducible up to timing noise.
