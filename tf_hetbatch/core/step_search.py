@@ -280,7 +280,7 @@ class Search:
             _add(self.held, y)
 
     # ----- transitions ------------------------------------------------------------------
-    def restart(self, changed: bool = True, leaving=None) -> None:
+    def restart(self, changed: bool = True, leaving: Optional[np.ndarray] = None) -> None:
         """The rule moved away from `leaving` (`changed` False) or conditions changed: forget
         the step times measured (and after a change their noise and the fallback too); keep
         the tilt. A rule's move keeps the fastest split measured so far as the fallback."""
@@ -297,7 +297,7 @@ class Search:
         self.phase, self.base, self.race, self.held, self.held_sign = IDLE, None, None, None, 0.0
         self.vetoed = False
 
-    def _measured(self, current) -> Optional[Dict[str, Any]]:
+    def _measured(self, current: Optional[np.ndarray]) -> Optional[Dict[str, Any]]:
         """The split the step time has measured now (`current` outside a race; in a race its
         best arm) with its windows, or None."""
         if self.racing:
@@ -316,7 +316,7 @@ class Search:
         """The held split's step time, for reasons."""
         return _ms(self.held) if self.held else "unmeasured"
 
-    def judge(self, current) -> Optional[np.ndarray]:
+    def judge(self, current: np.ndarray) -> Optional[np.ndarray]:
         """After a window at the split in force `current`: the fallback's split if the
         step time shows what was measured since the rule's move surely slower than it (the
         controller then holds it, the rule's moves off until a change), else None."""
