@@ -119,8 +119,8 @@ def test_the_step_time_undoes_a_rule_move_it_shows_slower():
     # quotas): a race finds the far split the fixed cost calls for, then the rule, on models
     # that read the quota's staircase as slopes, moves back towards the caps' split, which
     # only the step time shows slower. Without going back, 6 of seeds 0-9 ended 1.35-1.39x
-    # the best (median 1.36); going back, the median is 1.02 (4 seeds, after a change wiped
-    # the step times, 1.10-1.38).
+    # the best (median 1.36); going back, the median is 1.01 (2 seeds, where a change wiped
+    # the fallback before the move was judged, 1.26 and 1.38).
     cluster = ClusterModel(np.full(3, 0.001), np.full(3, 0.00015), collective=0.005,
                            quota=[0.24, 0.4, 0.96], quota_period=0.01, allreduce=0.001,
                            noise=0.1)

@@ -567,7 +567,7 @@ class _Controller:
         if at_split:
             race.add_times(times, accepted)
         if changed.any() or race.changed:
-            race.restart()
+            race.restart(step_time_changed=race.changed)
             if searching and at_split:  # the step times start again from the confirming window
                 race.observe(step_time)
             notes.append("change on " + (f"replica(s) {np.flatnonzero(changed).tolist()}"

@@ -34,7 +34,8 @@ value on every worker) and keeps the winner:
   replica's level there) are what the shared detector compares a replica's window with, so
   a change of one replica shows during a race too; their spread joins the window noise.
 - The noise of the step time is pooled over the arms and the earlier races since the last
-  change (a rule's move keeps it): the bounds' degrees of freedom grow race after race.
+  change of the step time (a rule's move, or a change only the time models see, keeps it):
+  the bounds' degrees of freedom grow race after race.
 - The race ends with one arm left (at the latest when the horizon is spent): the incumbent
   stays unless the winner is surely faster, and the winner's tilt is kept for the rule's
   later targets. The held split's step time is then watched by the shared change detector;
@@ -131,7 +132,7 @@ class Search:
         self.phase = state.get("phase", IDLE)
         self.tilt = int(state.get("tilt", 0))
         self.held_sign = float(state.get("held_sign", 0.0))
-        # The step time's noise pooled over the races since the last change: squared
+        # The step time's noise pooled over the races since its last change: squared
         # deviations of windows at a repeated split from their mean, and their count.
         self.noise_ss = float(state.get("noise_ss", 0.0))
         self.noise_dof = float(state.get("noise_dof", 0.0))
@@ -280,20 +281,24 @@ class Search:
             _add(self.held, y)
 
     # ----- transitions ------------------------------------------------------------------
-    def restart(self, changed: bool = True, leaving: Optional[np.ndarray] = None) -> None:
+    def restart(self, changed: bool = True, leaving: Optional[np.ndarray] = None,
+                step_time_changed: bool = True) -> None:
         """The rule moved away from `leaving` (`changed` False) or conditions changed: forget
-        the step times measured (and after a change their noise and the fallback too); keep
-        the tilt. A rule's move keeps the fastest split measured so far as the fallback."""
+        the step times measured, and after a change the fallback; keep the tilt, and the step
+        time's noise unless the step time itself changed (a change only the time models see,
+        `step_time_changed` False, says nothing of its spread). A rule's move keeps the
+        fastest split measured so far as the fallback."""
         if changed:
-            self.noise_ss = self.noise_dof = 0.0
             self.fallback = None
         else:
             left = self._measured(leaving)
             if left is not None and (self.fallback is None or _mean(left) < _mean(self.fallback)):
                 self.fallback = left
-            if self.racing:  # the race's noise joins the pool, as a finished race's does
-                noise, dof = self._pooled()
-                self.noise_ss, self.noise_dof = noise * dof, dof
+        if changed and step_time_changed:
+            self.noise_ss = self.noise_dof = 0.0
+        elif self.racing:  # the race's noise joins the pool, as a finished race's does
+            noise, dof = self._pooled()
+            self.noise_ss, self.noise_dof = noise * dof, dof
         self.phase, self.base, self.race, self.held, self.held_sign = IDLE, None, None, None, 0.0
         self.vetoed = False
 
@@ -447,7 +452,7 @@ class Search:
     # ----- the race ---------------------------------------------------------------------
     def _pooled(self) -> Tuple[float, float]:
         """Variance of a window's log step time (pooled: the arms' windows around their means
-        and the earlier races' since the last change), and its degrees of freedom."""
+        and the earlier races' since the step time's last change), and its degrees of freedom."""
         race = self.race
         ss = sum(s2 - s1 * s1 / n for n, s1, s2 in zip(race["n"], race["s1"], race["s2"])
                  if n > 0)
