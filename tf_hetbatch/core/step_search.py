@@ -170,7 +170,7 @@ class Search:
                        "noise_ss": self.noise_ss, "noise_dof": self.noise_dof,
                        "base": self.base, "race": self.race, "held": self.held,
                        "fallback": None if fallback is None else
-                       {k: fallback[k] for k in ("n", "s1", "s2")}, "vetoed": self.vetoed})
+                       _counts(fallback), "vetoed": self.vetoed})
         arrays = {} if fallback is None else {
             "search_fallback": fallback["split"].astype(np.float64)}
         if not self.racing:
@@ -257,7 +257,7 @@ class Search:
             j = race["at"]
             if j < 0:
                 return
-            cell = {k: race[k][j] for k in ("n", "s1", "s2")}
+            cell = self._arm_cell(j)
             noise, dof = self._pooled()
         else:
             cell = self.held
@@ -309,13 +309,11 @@ class Search:
             b = self._best()
             if b is None:
                 return None
-            cell = {k: self.race[k][b] for k in ("n", "s1", "s2")}
-            return {"split": self.splits[:, b].copy(), **cell}
+            return {"split": self.splits[:, b].copy(), **self._arm_cell(b)}
         cell = self.held if self.phase == HOLDING else self.base
         if current is None or not cell or cell["n"] < 1:
             return None
-        return {"split": np.asarray(current, np.int64).copy(),
-                **{k: cell[k] for k in ("n", "s1", "s2")}}
+        return {"split": np.asarray(current, np.int64).copy(), **_counts(cell)}
 
     def held_ms(self) -> str:
         """The held split's step time, for reasons."""
@@ -349,8 +347,7 @@ class Search:
             return None
         self.noise_ss, self.noise_dof = noise * dof, dof
         self.phase, self.race, self.base, self.held_sign = HOLDING, None, None, 0.0
-        self.held = {**{k: fallback[k] for k in ("n", "s1", "s2")}, "noise": noise,
-                     "dof": dof}
+        self.held = {**_counts(fallback), "noise": noise, "dof": dof}
         self.fallback, self.vetoed = None, True
         return fallback["split"]
 
@@ -438,8 +435,7 @@ class Search:
             self.noise_ss, self.noise_dof = noise * dof, dof
             self.tilt = race["arms"][win]
             split = self.splits[:, win].copy()
-            self.held = {"n": race["n"][win], "s1": race["s1"][win], "s2": race["s2"][win],
-                         "noise": noise, "dof": dof}
+            self.held = {**self._arm_cell(win), "noise": noise, "dof": dof}
             self.phase, self.race = HOLDING, None
             return split, (f"step-time search done: kept {split.tolist()} (tilt "
                            f"{self.tilt:+d}, {_ms(self.held)})")
@@ -454,12 +450,15 @@ class Search:
         """Variance of a window's log step time (pooled: the arms' windows around their means
         and the earlier races' since the step time's last change), and its degrees of freedom."""
         race = self.race
-        ss = sum(s2 - s1 * s1 / n for n, s1, s2 in zip(race["n"], race["s1"], race["s2"])
-                 if n > 0)
+        ss = sum(_ss(self._arm_cell(j)) for j, n in enumerate(race["n"]) if n > 0)
         dof = sum(max(n - 1, 0) for n in race["n"]) + self.noise_dof
         if dof <= 0:
             return 0.0, 0.0
         return (max(ss, 0.0) + self.noise_ss) / dof, float(dof)
+
+    def _arm_cell(self, j: int) -> Dict[str, Any]:
+        """Arm j's windows: count, sum and sum of squares of their log step times."""
+        return {k: self.race[k][j] for k in ("n", "s1", "s2")}
 
     def _bound(self, j: int, b: int, q: float, noise: float) -> float:
         race = self.race
@@ -545,6 +544,11 @@ class Search:
         at = race["arms"][race["at"]] if race["at"] >= 0 else min(race["arms"]) - 1
         later = [j for d, j in order if d > at]
         return later[0] if later else order[0][1]
+
+
+def _counts(cell) -> Dict[str, Any]:
+    """A copy of a cell's count, sum and sum of squares (of log step times)."""
+    return {k: cell[k] for k in ("n", "s1", "s2")}
 
 
 def _mean(cell) -> float:
