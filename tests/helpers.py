@@ -77,6 +77,13 @@ def max_weight_diff(a, b):
     return max(float(np.max(np.abs(u - v))) for u, v in zip(a.get_weights(), b.get_weights()))
 
 
+class OwnStep(keras.Sequential):
+    """A model with its own train_step (Keras's order: the update inside the step)."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
 class BatchLogs(keras.callbacks.Callback):
     """Records the per-batch logs that callbacks and the progress bar see."""
 
@@ -126,10 +133,10 @@ def stock_mirrored(devices):
     Stock strategies in one process share collective keys and can clash ("Shape mismatch in
     the collective instance 100"); tf_hetbatch strategies avoid it the same way.
     """
-    from tf_hetbatch.distribute import _compat
+    from tf_hetbatch.distribute._upstream import collectives
 
     strategy = tf.distribute.MirroredStrategy.__new__(tf.distribute.MirroredStrategy)
-    _compat.assign_collective_key_base(strategy)
+    collectives.assign_collective_key_base(strategy)
     strategy.__init__(devices)
     return strategy
 

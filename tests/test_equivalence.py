@@ -86,7 +86,7 @@ def test_conv_syncbn_adam_uneven_split_matches_one_device(cpus):
 
 
 def test_even_split_with_global_batch_not_divisible_by_replicas(cpus):
-    # B=32 over 3 replicas: 11/11/10, where the stock strategy crashes (see test_compat).
+    # B=32 over 3 replicas: 11/11/10, where the stock strategy crashes (see test_upstream_keras_callers).
     x, y = regression_data()
     ref, ours, *_ , strategy = _fit_pair(dense_model, x, y, None, cpus)
     assert max_weight_diff(ref, ours) <= TOL

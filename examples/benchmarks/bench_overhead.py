@@ -56,7 +56,7 @@ def single_host(args, tiny, blocks):
     import fashion_mnist
     import tf_hetbatch as hb
     from hetero_worker import build_model
-    from tf_hetbatch.distribute import _compat
+    from tf_hetbatch.distribute._upstream import collectives
 
     devices = ["/cpu:0", "/cpu:1"]
     block = args.steps if tiny else 10
@@ -81,7 +81,7 @@ def single_host(args, tiny, blocks):
         process share their keys, and their all-reduces of different models collide."""
 
         def __init__(self, devices):
-            _compat.assign_collective_key_base(self)
+            collectives.assign_collective_key_base(self)
             super().__init__(devices)
 
     # One strategy of each kind for the whole process, shared by the models. "control" is a

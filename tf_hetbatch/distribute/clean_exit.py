@@ -110,11 +110,11 @@ def _exit_together(peers: Sequence[str]) -> None:
     if _ending_on_an_exception():
         logger.debug("Exiting on an exception: not waiting for the other tasks.")
         return
-    from tf_hetbatch.distribute import _compat
+    from tf_hetbatch.distribute._upstream import coordination
 
     start = time.monotonic()
     try:
-        _compat.wait_at_coordination_barrier(_BARRIER_ID, EXIT_BARRIER_TIMEOUT_S)
+        coordination.wait_at_coordination_barrier(_BARRIER_ID, EXIT_BARRIER_TIMEOUT_S)
     except Exception as error:  # a task died, or did not reach its exit in time
         first_line = (str(error).splitlines() or [""])[0]
         logger.info("The exit barrier failed (%s: %s); exiting without waiting for the other "

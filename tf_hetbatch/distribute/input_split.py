@@ -27,13 +27,13 @@ import itertools
 
 import tensorflow as tf
 
-from tf_hetbatch.distribute import _compat
+from tf_hetbatch.distribute._upstream import tf_data
 
 
 
 # The functions below run once per global batch inside the input pipeline: straight-line ops
 # only (no tf.cond: its branches are function calls, and the pipeline's maps run inline, see
-# `_compat.map_inline`), and as few as possible: each op costs ~1-2 us there, on the CPU the
+# `tf_data.map_inline`), and as few as possible: each op costs ~1-2 us there, on the CPU the
 # replicas compute with (see BUILD_NOTES, "Overhead").
 def split_sizes(n, bounds, num_replicas):
     """In-graph per-replica sizes (int64 [K]) of a global batch of `n` samples.
@@ -328,15 +328,15 @@ def _step_amounts(element, n, weights_in_raw=True):
 
 
 def _map_batches(dataset, fn, numbered=False):
-    """`_compat.map_inline` calling fn(position, element), whatever the element's structure.
+    """`tf_data.map_inline` calling fn(position, element), whatever the element's structure.
 
     The position in the pass (int64) only if `numbered` (an `enumerate`), else None.
     """
     if numbered:
-        return _compat.map_inline(dataset.enumerate(), fn)
+        return tf_data.map_inline(dataset.enumerate(), fn)
     if type(dataset.element_spec) is tuple:  # noqa: E721 - tf.data unpacks exactly tuples
-        return _compat.map_inline(dataset, lambda *element: fn(None, element))
-    return _compat.map_inline(dataset, lambda element: fn(None, element))
+        return tf_data.map_inline(dataset, lambda *element: fn(None, element))
+    return tf_data.map_inline(dataset, lambda element: fn(None, element))
 
 
 def _per_iterator(dataset, start, per_iterator):
@@ -344,11 +344,11 @@ def _per_iterator(dataset, start, per_iterator):
 
     This gives each iterator its own values read at its start (the skip count, the step it
     starts at) without a `scan`, whose function call per batch costs as much as the split.
-    Both functions are host functions (`_compat.flat_map_host`): an iterator's start
+    Both functions are host functions (`tf_data.flat_map_host`): an iterator's start
     instantiates them without a Grappler pass each (35 -> 3 ms CPU to start one).
     """
-    once = _compat.map_inline(tf.data.Dataset.range(1), start)  # a tuple: per_iterator's args
-    return _compat.flat_map_host(once, per_iterator).with_options(dataset.options())
+    once = tf_data.map_inline(tf.data.Dataset.range(1), start)  # a tuple: per_iterator's args
+    return tf_data.flat_map_host(once, per_iterator).with_options(dataset.options())
 
 
 def _assert(condition, message, data):
@@ -375,7 +375,7 @@ def split_global_batches(
         A `tf.data.Dataset` whose consecutive groups of `count` elements are the slices of one
         global batch in replica order.
 
-    Cost per global batch: one inline map (`_compat.map_inline`: run in the pipeline's own
+    Cost per global batch: one inline map (`tf_data.map_inline`: run in the pipeline's own
     thread, no inter-op scheduling) does the bookkeeping, slices the batch (one `split` per
     component, no copy) and returns the slices as a small dataset; the `flat_map` that
     flattens it has an identity function, which tf.data runs without calling it. A flat_map
@@ -409,7 +409,7 @@ def split_global_batches(
     else:
         weights_in_raw = plan is None or plan.weights_in_raw
         per_batch = allocation.annotate(dataset, to_slices, weights_in_raw)
-    slices = _compat.flat_map_host(per_batch, _itself)
+    slices = tf_data.flat_map_host(per_batch, _itself)
     if plan is not None and plan.finish_slices is not None:
         slices = plan.finish_slices(slices)
     # One global batch ahead of training (the moved work too, as the user's prefetch did it

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
-from tf_hetbatch.distribute import _compat
+from tf_hetbatch.distribute._upstream import tf_data
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def split_here():
     Returns:
         A function for `tf.data.Dataset.apply`.
     """
-    return _compat.mark_split
+    return tf_data.mark_split
 
 
 class InputPlan:
@@ -109,7 +109,7 @@ def plan(dataset, owns_every_replica, seed=None, evaluation=False):
 
     Never raises for a pipeline it cannot read: that pipeline runs unsplit.
     """
-    steps = _compat.pipeline_steps(dataset)
+    steps = tf_data.pipeline_steps(dataset)
     top = 0
     while steps[top].kind in _KEPT_ON_TOP:
         top += 1
@@ -124,7 +124,7 @@ def plan(dataset, owns_every_replica, seed=None, evaluation=False):
         return raw.with_options(dataset.options())
 
     # Keras's array input: index batches, then a gather of each batch.
-    gather = _compat.keras_array_gather(steps[top])
+    gather = tf_data.keras_array_gather(steps[top])
     if gather is not None:
         if owns_every_replica:
             return InputPlan(dataset)
@@ -132,7 +132,7 @@ def plan(dataset, owns_every_replica, seed=None, evaluation=False):
         step = steps[top]
 
         def finish_slices(slices):
-            return _compat.replay_map(tf.data.Dataset.zip((slices, arrays)), step)
+            return tf_data.replay_map(tf.data.Dataset.zip((slices, arrays)), step)
 
         return InputPlan(rebuilt(indices), finish_slices=finish_slices, moved=1)
 
@@ -149,7 +149,7 @@ def plan(dataset, owns_every_replica, seed=None, evaluation=False):
 
         def finish_marked(slices):
             for step in reversed(maps):
-                slices = _compat.replay_map(slices, step)
+                slices = tf_data.replay_map(slices, step)
             return slices
 
         return InputPlan(rebuilt(steps[after].input), finish_slices=finish_marked,
@@ -182,7 +182,7 @@ def plan(dataset, owns_every_replica, seed=None, evaluation=False):
     reason = ""
     empty = _empty_batch(batch.dataset.element_spec)
     if not maps and not owns_every_replica:
-        between = _compat.first_map_below(steps[below - 1].input if under else batch.input)
+        between = tf_data.first_map_below(steps[below - 1].input if under else batch.input)
         if between is not None:
             reason = (f"its per-sample maps are not right under batch(): {between} stands "
                       "between them. Fix: put the per-sample maps right before batch(), or mark "
@@ -198,9 +198,9 @@ def plan(dataset, owns_every_replica, seed=None, evaluation=False):
     for step in reversed(under):  # innermost first, as the user built it
         if step.kind == "shuffle":
             agreed = seed if reseed and not step.seeded else None
-            source = _compat.replay_shuffle(step, source, agreed)
+            source = tf_data.replay_shuffle(step, source, agreed)
         elif step.kind == "map" and not move:
-            source = _compat.replay_map(source, step)
+            source = tf_data.replay_map(source, step)
     if reseed:
         logger.debug("unseeded shuffle given the workers' agreed seed %d", seed)
     raw = source.batch(batch.batch_size, drop_remainder=batch.drop_remainder)
@@ -210,7 +210,7 @@ def plan(dataset, owns_every_replica, seed=None, evaluation=False):
     def finish_slice(raw_slice):
         samples = tf.data.Dataset.from_tensor_slices(raw_slice)
         for step in reversed(maps):  # innermost first
-            samples = _compat.replay_map(samples, step)
+            samples = tf_data.replay_map(samples, step)
         n = tf.shape(tf.nest.flatten(raw_slice)[0], out_type=tf.int64)[0]
         # One batch of all n samples; for n == 0 the batch() gives nothing and the empty
         # batch stands in.
@@ -222,7 +222,7 @@ def plan(dataset, owns_every_replica, seed=None, evaluation=False):
 
 def has_unseeded_shuffle(dataset) -> bool:
     """Whether `plan` would reseed a shuffle of `dataset` (workers must then agree a seed)."""
-    steps = _compat.pipeline_steps(dataset)
+    steps = tf_data.pipeline_steps(dataset)
     index = 0
     while steps[index].kind in _KEPT_ON_TOP:
         index += 1

@@ -13,8 +13,8 @@ worker waits for the one that pays it, in the step's all-reduce.
 An `IteratorKeeper` holds the iterators of our strategies' distributed datasets and lets go
 of each once nothing else refers to it (it looks every `POLL_S`), on a thread of its own: the
 destruction and its wait happen there (TensorFlow releases the GIL while it destroys a tensor
-handle: canary `tests/test_compat.py -k releases_the_gil`), and one long wait does not delay
-the next iterator's. At exit the keeper lets go of everything it holds and waits at most
+handle: canary `tests/test_upstream_iterators.py -k releases_the_gil`), and one long wait does
+not delay the next iterator's. At exit the keeper lets go of everything it holds and waits at most
 `EXIT_TIMEOUT_S` for the destructions.
 """
 

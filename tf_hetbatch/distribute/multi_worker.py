@@ -6,10 +6,10 @@ import numpy as np
 import tensorflow as tf
 
 from tf_hetbatch.core import _validate
-from tf_hetbatch.distribute import _compat
 from tf_hetbatch.distribute import clean_exit
 from tf_hetbatch.distribute import weighting
 from tf_hetbatch.distribute.strategy import HeteroMixin, weighting_amount
+from tf_hetbatch.distribute._upstream import collectives, keras_callers
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
 
     Keras 3 `fit` works without patching Keras: its two multi-worker crashes (a reduce of the
     data batch in its symbolic build, and axis=0 reduces of scalar logs) pass through this
-    strategy's `reduce`, which handles them (see `_compat`).
+    strategy's `reduce`, which handles them (see `_upstream.keras_callers`).
 
     Args:
         cluster_resolver: as for `tf.distribute.MultiWorkerMirroredStrategy`.
@@ -69,13 +69,13 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
             f"the input pipeline runs up to {PIPELINE_LEAD_STEPS} global batches ahead of "
             f"training; pass e.g. switch_margin={DEFAULT_SWITCH_MARGIN} (the default).")
         # Every worker creates its strategies in the same order, so the bases agree.
-        _compat.assign_collective_key_base(self)
+        collectives.assign_collective_key_base(self)
         super().__init__(
             cluster_resolver=cluster_resolver, communication_options=communication_options
         )
         self._sum_tables = None
         tasks = self.cluster_resolver.cluster_spec().as_dict() if self.cluster_resolver else {}
-        _compat.warn_if_second_multi_worker_strategy(
+        collectives.warn_if_second_multi_worker_strategy(
             sum(len(tasks.get(role, [])) for role in ("chief", "worker")))
         self._init_hetero()
         # At exit, the tasks wait for each other, so a successful run ends quietly.
@@ -200,14 +200,15 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
     # ----------------------------------------------------------------- Keras crashes -----------
     def reduce(self, reduce_op, value, axis):
         """As the stock `reduce`, handling what Keras 3 `fit` asks of a multi-worker strategy."""
-        if axis is not None and _compat.is_scalar_reduce_with_axis(self, value, axis):
+        if axis is not None and keras_callers.is_scalar_reduce_with_axis(self, value, axis):
             if _is_mean(reduce_op) and not isinstance(value, tf.distribute.DistributedValues):
                 # Keras's logs: this strategy's `run` made them global already (the same
                 # tensor on every worker), and their mean is themselves: no collective.
                 return value
             return super().reduce(reduce_op, value, None)
-        if axis is None and _compat.is_data_batch_reduce(self, reduce_op, value):
-            return tf.nest.map_structure(lambda v: _compat.largest_local_batch(self, v), value)
+        if axis is None and keras_callers.is_data_batch_reduce(self, reduce_op, value):
+            return tf.nest.map_structure(
+                lambda v: keras_callers.largest_local_batch(self, v), value)
         return super().reduce(reduce_op, value, axis)
 
 

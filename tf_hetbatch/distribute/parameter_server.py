@@ -17,7 +17,7 @@ asynchronous trainer needs. Training runs through :class:`tf_hetbatch.AsyncTrain
 """
 
 import logging
-from typing import Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -26,6 +26,7 @@ from tf_hetbatch.core import _validate
 from tf_hetbatch.core import devices as _devices
 from tf_hetbatch.core import split
 from tf_hetbatch.core.measurements import ReplicaTimes, Staleness
+from tf_hetbatch.distribute._upstream import ps_coordinator
 
 logger = logging.getLogger(__name__)
 
@@ -303,3 +304,38 @@ def _read_remote_text(device: str, path: str) -> Optional[str]:
     except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError,
             tf.errors.PermissionDeniedError, tf.errors.FailedPreconditionError):
         return None
+
+
+# ---------------------------------------------- the coordinator, for the asynchronous trainer --
+# What `tf_hetbatch.training.AsyncTrainer` needs of the `ClusterCoordinator` that has no public
+# API; the private use, and its canaries, are in `_upstream.ps_coordinator`.
+def per_worker_iterator(coordinator: "tf.distribute.experimental.coordinator.ClusterCoordinator",
+                        make_dataset: Callable[[int], tf.data.Dataset]) -> Tuple[Any, Any]:
+    """Iterators over `make_dataset(worker_index)`, one on each worker of `coordinator`.
+
+    As `coordinator.create_per_worker_dataset(...)` + `iter`, except that each worker's
+    pipeline knows its worker index (the stock one traces one dataset function for all).
+    Like the stock iterators they are re-created when a failed worker comes back.
+
+    Args:
+        coordinator: the cluster coordinator.
+        make_dataset: worker index -> its `tf.data.Dataset` (no variables created in it).
+
+    Returns:
+        (a per-worker iterator to pass to `coordinator.schedule`, the datasets' element spec).
+
+    Raises:
+        ValueError: the workers' datasets have different element specs.
+    """
+    return ps_coordinator.per_worker_iterator(coordinator, make_dataset)
+
+
+def remote_value_done(value: Any) -> bool:
+    """Whether the scheduled function behind the `RemoteValue` `value` finished (or failed),
+    without blocking."""
+    return ps_coordinator.remote_value_done(value)
+
+
+def wait_remote_value(value: Any, timeout: float) -> None:
+    """Waits at most `timeout` seconds for the function behind the `RemoteValue` `value`."""
+    ps_coordinator.wait_remote_value(value, timeout)

@@ -11,13 +11,14 @@ import tensorflow as tf
 from tf_hetbatch.core import _validate
 from tf_hetbatch.core import split
 from tf_hetbatch.core.measurements import ReplicaTimes
-from tf_hetbatch.distribute import _compat
 from tf_hetbatch.distribute import device_peaks
 from tf_hetbatch.distribute import input_split
 from tf_hetbatch.distribute import input_work
 from tf_hetbatch.distribute import iterator_release
 from tf_hetbatch.distribute import timing
 from tf_hetbatch.distribute import weighting
+from tf_hetbatch.distribute._upstream import (collectives, iterators, keras_callers,
+                                             keras_trainer, metrics, tf_data)
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +239,7 @@ class HeteroMixin:
         each batch of n samples is split in proportion to `batch_sizes` (each replica's share
         rounded down or up; evenly while none are set). Evaluation results are sums over
         samples, so they do not depend on the split. Which one a dataset is comes from the
-        Keras call that distributes it (`_compat.keras_loop_distributing_data`), the same on
+        Keras call that distributes it (`keras_callers.keras_loop_distributing_data`), the same on
         every worker; data a custom loop distributes is training data.
 
         Its iterators are destroyed off the caller's thread once nothing refers to them (a
@@ -257,10 +258,10 @@ class HeteroMixin:
                 size does not match the batch sizes set.
             TypeError: anything but a `tf.data.Dataset`.
         """
-        evaluation = _compat.keras_loop_distributing_data() in _compat.EVALUATION_LOOPS
-        model = _compat.keras_model_distributing_data()
+        evaluation = keras_callers.keras_loop_distributing_data() in keras_callers.EVALUATION_LOOPS
+        model = keras_callers.keras_model_distributing_data()
         if model is not None:
-            _compat.inline_multi_step(model)  # steps_per_execution > 1 (keras#19246)
+            keras_trainer.inline_multi_step(model)  # steps_per_execution > 1 (keras#19246)
         self._check_dataset(dataset, evaluation)
         mode = getattr(options, "experimental_replication_mode", None)
         if mode == tf.distribute.InputReplicationMode.PER_REPLICA:
@@ -290,10 +291,10 @@ class HeteroMixin:
 
         distributed = self.distribute_datasets_from_function(dataset_fn, options)
         if not self._partial_batch_handling():
-            _compat.disable_partial_batch_handling(distributed)
+            iterators.disable_partial_batch_handling(distributed)
         if options is None and self._one_cpu_replica():
-            _compat.plain_iterators(distributed)
-        _compat.hold_iterators(distributed, iterator_release.hold)
+            iterators.plain_iterators(distributed)
+        iterators.hold_iterators(distributed, iterator_release.hold)
         if plans and not evaluation:
             self._weights_in_pipeline = plans[0].weights_in_raw
         if plans and plans[0].reason and self._is_chief() and dataset not in self._said_unsplit:
@@ -343,7 +344,7 @@ class HeteroMixin:
                 f"Received: element_spec={dataset.element_spec}. Fix: "
                 "dataset.batch(global_batch_size)."
             )
-        batch = _compat.static_batch_size(dataset)
+        batch = tf_data.static_batch_size(dataset)
         leading = [
             s.shape[0] for s in specs if getattr(getattr(s, "shape", None), "rank", None)
         ]
@@ -378,10 +379,10 @@ class HeteroMixin:
         loops get exact gradients by scaling the loss with the global batch size, e.g.
         `tf.nn.compute_average_loss(per_example_loss, global_batch_size=B)`.
         """
-        model, kind = _compat.keras_model_of_step(fn)
+        model, kind = keras_callers.keras_model_of_step(fn)
         if model is None:
             return super().run(fn, args=args, kwargs=kwargs, options=options)
-        _compat.check_steps_per_execution(model)
+        keras_trainer.check_steps_per_execution(model)
         training = kind == "train_step"
         data = args[0] if args else None
         mode, total = weighting.NONE, None
@@ -399,7 +400,7 @@ class HeteroMixin:
                 _check_nonempty_sizes(self.batch_sizes)
         accumulators = self._timing if training else None
         # Keras's own train step: its logs ride on the gradients' all-reduce (weighting.finish_step)
-        carry_logs = training and _compat.is_keras_own_train_step(fn)
+        carry_logs = training and keras_trainer.is_keras_own_train_step(fn)
         logs_global = []
 
         def replica_fn(*replica_args, **replica_kwargs):
@@ -440,8 +441,8 @@ class HeteroMixin:
                 lambda v: self.experimental_local_results(v)[0] if _is_distributed(v) else v,
                 outputs)
         # Within a multi-step loop only the last step's logs are read: they are made global
-        # once, after the loop (`_compat.deferred_global_logs`).
-        return self._logs(model, outputs, reduce=not _compat.defer_global_logs())
+        # once, after the loop (`keras_trainer.deferred_global_logs`).
+        return self._logs(model, outputs, reduce=not keras_trainer.defer_global_logs())
 
     def _step_total(self, data, mode):
         """Cross-replica context: the step's total amount (samples or sample weight).
@@ -475,7 +476,7 @@ class HeteroMixin:
             if isinstance(t, tf.Tensor)
         ]
         with tf.control_dependencies(local_values):
-            results = _compat.metric_results_in_one_reduce(self, model.metrics, reduce=reduce)
+            results = metrics.metric_results_in_one_reduce(self, model.metrics, reduce=reduce)
             if results is None:
                 if not reduce:
                     return outputs  # Keras reduces them, as it does the stock strategy's
@@ -487,14 +488,14 @@ class HeteroMixin:
         return merged
 
     def reduce(self, reduce_op, value, axis):
-        """As `tf.distribute.Strategy.reduce`; see `_compat.is_uneven_batch_reduce`."""
+        """As `tf.distribute.Strategy.reduce`; see `keras_callers.is_uneven_batch_reduce`."""
         if axis is None and tf.nest.flatten(value) and any(
-            _compat.is_uneven_batch_reduce(self, reduce_op, v, axis)
+            keras_callers.is_uneven_batch_reduce(self, reduce_op, v, axis)
             for v in tf.nest.flatten(value)
         ):
             return tf.nest.map_structure(
-                lambda v: _compat.largest_local_batch(self, v)
-                if _compat.is_uneven_batch_reduce(self, reduce_op, v, axis)
+                lambda v: keras_callers.largest_local_batch(self, v)
+                if keras_callers.is_uneven_batch_reduce(self, reduce_op, v, axis)
                 else super(HeteroMixin, self).reduce(reduce_op, v, axis),
                 value,
             )
@@ -610,7 +611,7 @@ class HeteroMirroredStrategy(HeteroMixin, tf.distribute.MirroredStrategy):
       `apply` hooks (weights and timing; no-ops outside its steps);
     - with `steps_per_execution > 1` (which fails for the stock strategy,
       keras-team/keras#19246), the model gets an instance-level `_make_function` that inlines
-      its one-step function into the multi-step loop (`_compat.inline_multi_step`); it needs
+      its one-step function into the multi-step loop (`keras_trainer.inline_multi_step`); it needs
       Keras's fit/evaluate/predict to distribute the data, and no `jit_compile`;
     - plain (unsynchronised) BatchNormalization computes local statistics, as with the stock
       strategy, so it is not exact; and a replica may not get an empty batch with it.
@@ -628,7 +629,7 @@ class HeteroMirroredStrategy(HeteroMixin, tf.distribute.MirroredStrategy):
     """
 
     def __init__(self, devices=None, cross_device_ops=None):
-        _compat.assign_collective_key_base(self)
+        collectives.assign_collective_key_base(self)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
         self._init_hetero()
 
@@ -734,7 +735,7 @@ def _has_local_batch_norm(model):
     return any(
         isinstance(layer, keras.layers.BatchNormalization)
         and not getattr(layer, "synchronized", False)
-        for layer in _compat.all_layers(model)
+        for layer in keras_callers.all_layers(model)
     )
 
 

@@ -38,7 +38,7 @@ gradient, as on one device (stock Keras clips each replica's local gradient), an
 LossScaleOptimizer's finite check sees the same summed gradients on every replica. Any other
 train step keeps Keras's order (the gradient all-reduce inside `apply`, the logs in a second
 all-reduce) and, for a LossScaleOptimizer, the replicas agree on skipping an overflowed step
-(see `_compat.agree_on_finite_gradients`).
+(see `collectives.agree_on_finite_gradients`).
 """
 
 import contextlib
@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional, Tuple
 import keras
 import tensorflow as tf
 
-from tf_hetbatch.distribute import _compat
+from tf_hetbatch.distribute._upstream import collectives, metrics
 
 _local = threading.local()
 
@@ -148,7 +148,7 @@ def adapt_optimizer(optimizer):
                     optimizer, original_apply, summed, trainable_variables))
                 return None  # applied by finish_step, after the step's one all-reduce
             if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-                grads = _compat.agree_on_finite_gradients(list(grads))
+                grads = collectives.agree_on_finite_gradients(list(grads))
         return original_apply(grads, trainable_variables)
 
     def on_reduced(grads_and_vars):
@@ -157,7 +157,7 @@ def adapt_optimizer(optimizer):
             return grads_and_vars
         return step.timing.record_release(grads_and_vars)
 
-    _compat.wrap_gradient_all_reduce(optimizer, on_reduced)
+    collectives.wrap_gradient_all_reduce(optimizer, on_reduced)
     scale_loss.__doc__ = original_scale_loss.__doc__
     apply.__doc__ = original_apply.__doc__
     optimizer.scale_loss = scale_loss
@@ -166,7 +166,7 @@ def adapt_optimizer(optimizer):
 
 
 def _apply_summed(optimizer, original_apply, summed, trainable_variables):
-    with _compat.gradients_already_reduced(optimizer):
+    with collectives.gradients_already_reduced(optimizer):
         return original_apply(summed, trainable_variables)
 
 
@@ -181,7 +181,7 @@ def finish_step(step: ReplicaStep, model, outputs):
     if step.held is None:
         return outputs, False  # no gradients (no trainable weights): the usual logs reduce
     grads, apply_summed = step.held
-    metric_values = _compat.summable_metric_variables(model.metrics)
+    metric_values = metrics.summable_metric_variables(model.metrics)
     locals_ = [tf.identity(v) for v in metric_values] if metric_values is not None else []
     dense = [g for g in grads if g is not None]
     summed = _sum_across_replicas(dense + locals_)
@@ -193,7 +193,7 @@ def finish_step(step: ReplicaStep, model, outputs):
     if metric_values is None:
         return outputs, False
     merged = dict(outputs)
-    for name, value in _compat.metric_results_from_sums(model.metrics, sums).items():
+    for name, value in metrics.metric_results_from_sums(model.metrics, sums).items():
         if name in merged:
             merged[name] = tf.convert_to_tensor(value)
     return merged, True
@@ -206,8 +206,8 @@ def _sum_across_replicas(values):
     for i, v in enumerate(values):
         by_dtype.setdefault(v.dtype, []).append(i)
     out = [None] * len(values)
-    launchers = _compat.collective_launchers(ctx.strategy)
-    with _compat.instance_keys_from_values(launchers, values):  # resolved once, not per step
+    launchers = collectives.collective_launchers(ctx.strategy)
+    with collectives.instance_keys_from_values(launchers, values):  # resolved once, not per step
         for indices in by_dtype.values():
             for i, r in zip(indices, ctx.all_reduce(tf.distribute.ReduceOp.SUM,
                                                     [values[i] for i in indices])):

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from tf_hetbatch.core._validate import check_int
 from tf_hetbatch.core.measurements import Staleness
-from tf_hetbatch.distribute import _compat
+from tf_hetbatch.distribute import parameter_server
 from tf_hetbatch.distribute.parameter_server import HeteroParameterServerStrategy
 from tf_hetbatch.training import run_checkpoint as _run
 from tf_hetbatch.training.preemption import RESTART_EXIT_CODE, PreemptionNotice
@@ -354,7 +354,7 @@ class AsyncTrainer:
             tags = tf.data.Dataset.from_tensors(tf.constant(index, tf.int32)).repeat()
             return tf.data.Dataset.zip((tags, examples.repeat())).prefetch(tf.data.AUTOTUNE)
 
-        iterator, self._element_spec = _compat.per_worker_iterator(
+        iterator, self._element_spec = parameter_server.per_worker_iterator(
             self.coordinator, make_dataset)
         return iterator
 
@@ -522,10 +522,10 @@ class AsyncTrainer:
 # ---------------------------------------------------------------------- helpers ----------
 def _wait_outstanding(pending, limit):
     """Drops finished steps from `pending`; waits while more than `limit` are unfinished."""
-    pending = [rv for rv in pending if not _compat.remote_value_done(rv)]
+    pending = [rv for rv in pending if not parameter_server.remote_value_done(rv)]
     while len(pending) > limit:
-        _compat.wait_remote_value(pending[0], timeout=0.05)
-        pending = [rv for rv in pending if not _compat.remote_value_done(rv)]
+        parameter_server.wait_remote_value(pending[0], timeout=0.05)
+        pending = [rv for rv in pending if not parameter_server.remote_value_done(rv)]
     return pending
 
 

@@ -187,11 +187,11 @@ class PreemptionNotice:
             return
         import tensorflow as tf
 
-        from tf_hetbatch.distribute import _compat
+        from tf_hetbatch.distribute import coordination
 
         target = step + 1
         try:
-            inserted = _compat.insert_coordination_key(self._key, str(target))
+            inserted = coordination.insert_key(self._key, str(target))
         except tf.errors.OpError as error:  # the cluster is failing: no step can be agreed
             logger.warning("Preemption notice (%s) on %s at step %d, but the coordination "
                            "service is unreachable (%s); not saving.", self._how, self._me,
@@ -211,8 +211,8 @@ class PreemptionNotice:
                 continue
             left = deadline - time.monotonic()
             try:
-                acked = left > 0 and _compat.get_coordination_key(f"{self._key}/ack/{task}",
-                                                          left) is not None
+                acked = left > 0 and coordination.get_key(f"{self._key}/ack/{task}",
+                                                       left) is not None
             except tf.errors.OpError:
                 acked = False
             if not acked:
@@ -223,11 +223,11 @@ class PreemptionNotice:
     def _watch(self) -> None:
         import tensorflow as tf
 
-        from tf_hetbatch.distribute import _compat
+        from tf_hetbatch.distribute import coordination
 
         while not self._stop.is_set():
             try:
-                value = _compat.get_coordination_key(self._key, WATCH_POLL_S)
+                value = coordination.get_key(self._key, WATCH_POLL_S)
             except tf.errors.OpError as error:  # the service is gone: the job is ending
                 logger.debug("Preemption watcher stops: %s", str(error).splitlines()[0])
                 return
@@ -237,7 +237,7 @@ class PreemptionNotice:
                 if self._target is None:
                     self._target = int(value)
             try:
-                _compat.insert_coordination_key(f"{self._key}/ack/{self._me}", "1")
+                coordination.insert_key(f"{self._key}/ack/{self._me}", "1")
             except tf.errors.OpError as error:
                 logger.debug("Could not acknowledge the preemption step: %s", error)
             return

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 from tf_hetbatch.core._validate import check_int
-from tf_hetbatch.distribute import _compat
+from tf_hetbatch.distribute import keras_fit
 from tf_hetbatch.distribute.strategy import StepCounter, hetero_strategy_of
 from tf_hetbatch.training import legacy_checkpoint as _legacy
 from tf_hetbatch.training import run_checkpoint as _run
@@ -327,7 +327,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if self._shortened_epoch:
             self._shortened_epoch = False
-            _compat.undo_iteration_of_exhausted_step(
+            keras_fit.undo_iteration_of_exhausted_step(
                 self.model, self._iterations_at_begin, self._batches - self._resume_skipped)
         if self._epoch_complete():
             self._save(epoch + 1, 0)

@@ -1,0 +1,208 @@
+"""Keras 3's TensorFlow trainer: its multi-step loop, its own train step, its extra step.
+
+`inline_multi_step` (keras-team/keras#19246) with Keras's `_make_function` inlined, the logs a
+multi-step loop defers to its end, the `steps_per_execution` check, whether a step is Keras's
+own `train_step`, and the optimizer step count after a resumed epoch's exhausted step.
+Canaries: `tests/test_upstream_keras_trainer.py`.
+"""
+
+import contextlib
+import logging
+import threading
+
+import tensorflow as tf
+
+from tf_hetbatch.distribute._upstream.iterators import next_as_optional
+
+logger = logging.getLogger(__name__)
+
+
+# --- Keras's own train_step (keras: TensorFlowTrainer.train_step) ----------------------------
+# Canary: `test_keras_train_step_does_nothing_after_the_update_but_the_metrics`.
+def is_keras_own_train_step(fn):
+    """Whether `fn` is Keras's own `train_step` (not a subclass's): it applies the gradients once
+    and after that only updates and reads the metrics, so the update may wait until the end of
+    the step (see `weighting`, "One all-reduce per step")."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return getattr(fn, "__func__", None) is TensorFlowTrainer.train_step
+
+
+# --- keras-team/keras#19246: steps_per_execution > 1 under MirroredStrategy ---------------------
+# Keras 3 builds the multi-step function (`TensorFlowTrainer._make_function`) with the one-step
+# function as a nested `tf.function` inside tf.cond inside tf.while_loop, which fails under
+# MirroredStrategy, the stock one included ("You must feed a value for placeholder tensor").
+# With the one-step function inlined (a plain Python function, traced into the loop) it works.
+# `inline_multi_step(model)` gives THE model being trained under a tf_hetbatch strategy an
+# instance-level `_make_function` that does exactly what Keras 3.15's does, with that one
+# difference; it is installed when our strategy distributes the model's data (before Keras
+# builds its train/test function). `test_upstream_keras_trainer.py` checks that the stock strategy
+# still fails.
+# Not fixed upstream as of Keras 3.15.1.
+STEPS_PER_EXECUTION_BROKEN = True
+
+
+def inline_multi_step(model):
+    """Makes `model`'s multi-step train/test functions inline their one-step function.
+
+    A no-op for steps_per_execution == 1, with `jit_compile` (XLA compiles the inner function
+    itself), or where the Keras trainer method is not there; idempotent.
+    """
+    spe = int(getattr(model, "steps_per_execution", 1) or 1)
+    if (not STEPS_PER_EXECUTION_BROKEN or spe <= 1 or getattr(model, "jit_compile", False)
+            or not hasattr(model, "_make_function")
+            or getattr(model, "_tf_hetbatch_inlined_steps", False)):
+        return
+    import types
+
+    model._make_function = types.MethodType(_make_function_inlined, model)
+    model._tf_hetbatch_inlined_steps = True
+    model.train_function = model.test_function = None  # rebuilt with the inlined step
+
+
+def _make_function_inlined(self, step_function):
+    """Keras 3.15 `TensorFlowTrainer._make_function`, the one-step function not a tf.function."""
+    from keras.src.backend.tensorflow.trainer import reduce_per_replica
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = self.distribute_strategy.run(step_function, args=(data,))
+        return reduce_per_replica(outputs, self.distribute_strategy, reduction="auto")
+
+    one_step_on_data = self._autoconvert_optionals(one_step_on_data)
+
+    @tf.autograph.experimental.do_not_convert
+    def multi_step_on_iterator(iterator):
+        empty_outputs = tf.experimental.Optional.empty(None)  # spec set while tracing
+
+        def cond(execution_step, optional_outputs, next_optional_inputs):
+            return tf.logical_and(tf.less(execution_step, self.steps_per_execution),
+                                  next_optional_inputs.has_value())
+
+        def inner_body(execution_step, optional_outputs, next_optional_inputs):
+            def has_next():
+                next_optional_outputs = tf.experimental.Optional.from_value(
+                    one_step_on_data(next_optional_inputs.get_value()))
+                empty_outputs._element_spec = next_optional_outputs.element_spec
+                return next_optional_outputs
+
+            def no_has_next():
+                optional_outputs._element_spec = empty_outputs._element_spec
+                return optional_outputs
+
+            next_optional_outputs = tf.cond(
+                tf.logical_and(tf.less(execution_step, self.steps_per_execution),
+                               next_optional_inputs.has_value()),
+                has_next, no_has_next)
+            return (execution_step + 1, next_optional_outputs,
+                    tf.cond(tf.less(execution_step + 1, self.steps_per_execution),
+                            lambda: next_as_optional(iterator),
+                            lambda: next_optional_inputs))
+
+        def body(execution_step, optional_outputs, next_optional_inputs):
+            for _ in range(min(self.unrolled_steps_per_execution, self.steps_per_execution)):
+                execution_step, optional_outputs, next_optional_inputs = inner_body(
+                    execution_step, optional_outputs, next_optional_inputs)
+            return execution_step, optional_outputs, next_optional_inputs
+
+        with deferred_global_logs() as deferral:
+            _, final, _ = tf.while_loop(
+                cond, body,
+                loop_vars=[tf.constant(0), empty_outputs, next_as_optional(iterator)])
+        final._element_spec = empty_outputs.element_spec
+        if not deferral.used:
+            return final  # every step's logs were global already
+        # The last step's logs, made global in one all-reduce per execution (every worker
+        # takes the same branch: their data ends together). Installed only under our
+        # strategies (`inline_multi_step`), which have `global_logs`.
+        return tf.cond(
+            final.has_value(),
+            lambda: tf.experimental.Optional.from_value(
+                self.distribute_strategy.global_logs(self, final.get_value())),
+            lambda: final)
+
+    if not self.run_eagerly:
+        multi_step_on_iterator = tf.function(multi_step_on_iterator, reduce_retracing=True)
+
+    def function(iterator):
+        if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            opt_outputs = multi_step_on_iterator(iterator)
+            if not opt_outputs.has_value():
+                raise StopIteration
+            return opt_outputs.get_value()
+        for _, data in zip(range(self.steps_per_execution), iterator):
+            outputs = one_step_on_data(data)
+        return outputs
+
+    function.multi_step = multi_step_on_iterator  # the traced execution, for inspection
+    return function
+
+
+_DEFERRED = threading.local()
+
+
+class _Deferral:
+    used = False  # a step of the loop returned logs that are not global yet
+
+
+@contextlib.contextmanager
+def deferred_global_logs():
+    """While tracing a multi-step loop: our strategies' `run` may return logs of the right
+    structure without the cross-replica reduce (`defer_global_logs()`); only the loop's last
+    logs are read, and `_make_function_inlined` makes those global after the loop if a step
+    deferred them (Keras's own train step does not: its logs ride on the gradients' all-reduce)."""
+    previous = getattr(_DEFERRED, "state", None)
+    _DEFERRED.state = state = _Deferral()
+    try:
+        yield state
+    finally:
+        _DEFERRED.state = previous
+
+
+def defer_global_logs() -> bool:
+    """Whether a step's logs may stay local (inside a multi-step loop); records that they did."""
+    state = getattr(_DEFERRED, "state", None)
+    if state is None:
+        return False
+    state.used = True
+    return True
+
+
+def check_steps_per_execution(model):
+    """Refuses steps_per_execution > 1 where `inline_multi_step` could not be installed (data
+    a user distributed, a jit-compiled model), instead of failing deep inside TensorFlow."""
+    spe = int(getattr(model, "steps_per_execution", 1) or 1)
+    if STEPS_PER_EXECUTION_BROKEN and spe > 1 and not getattr(
+            model, "_tf_hetbatch_inlined_steps", False):
+        raise ValueError(
+            "`steps_per_execution` > 1 works under a tf_hetbatch strategy when Keras's fit, "
+            "evaluate or predict distributes the data (keras-team/keras#19246 breaks it in "
+            "Keras itself otherwise), and without jit_compile. Received: steps_per_execution="
+            f"{spe}, jit_compile={getattr(model, 'jit_compile', None)}. Fix: pass the "
+            "tf.data.Dataset itself (not a distributed one) to fit, or compile with "
+            "steps_per_execution=1."
+        )
+
+
+# --- A resumed (shortened) epoch: Keras runs one extra, empty train step ------------------------
+def undo_iteration_of_exhausted_step(model, iterations_at_begin, steps_trained) -> None:
+    """Resets `optimizer.iterations` after the step that found the shortened epoch's data out.
+
+    A resumed epoch has fewer batches than Keras expects (`fit` takes the epoch length from the
+    data's cardinality), so Keras runs one more train step, whose `get_next` ends the epoch
+    with OutOfRangeError. Under a tf.distribute strategy that step's
+    `optimizer.iterations.assign_add(1)` has no data dependency on the batch and can run
+    before the error (seen with TensorFlow 2.21 / Keras 3.15: iterations one ahead of the
+    steps trained); it would shift learning-rate schedules and Adam's bias correction. Nothing
+    data-dependent runs (gradients, slots, weights, tf_hetbatch's step counter), so only the
+    counter is restored. Local, no collective; the same value on every worker.
+    """
+    if iterations_at_begin is None:
+        return
+    expected = iterations_at_begin + steps_trained
+    optimizer = getattr(model, "optimizer", None)
+    actual = None if optimizer is None else int(optimizer.iterations.numpy())
+    if actual is not None and actual != expected:
+        logger.debug("optimizer.iterations %d after the resumed epoch's exhausted step; "
+                     "reset to %d.", actual, expected)
+        model.optimizer.iterations.assign(expected)
