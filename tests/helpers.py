@@ -1,4 +1,5 @@
-"""Shared model and data builders for the strategy tests (real Keras, real strategies)."""
+"""Shared model and data builders for the strategy tests (real Keras, real strategies), and
+the damage a checkpoint can come to (its files cut short or lost)."""
 
 import os
 
@@ -165,3 +166,34 @@ def cgroups_writable() -> bool:
         return True
     except RuntimeError:
         return False
+
+
+# ---------------------------------------------------------------------- checkpoint damage
+def checkpoint_data_file(prefix):
+    """The (single) data file of the TensorFlow checkpoint at `prefix`."""
+    return tf.io.gfile.glob(f"{prefix}.data-*")[0]
+
+
+def truncate_checkpoint(prefix):
+    """Cuts the data file to a third, as a failing disk or an interrupted copy leaves it."""
+    path = checkpoint_data_file(prefix)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 3)
+
+
+def delete_checkpoint_index(prefix):
+    os.remove(f"{prefix}.index")
+
+
+def delete_checkpoint_data(prefix):
+    os.remove(checkpoint_data_file(prefix))
+
+
+def flip_a_checkpoint_byte(prefix):
+    """Changes one byte in the middle of the data file: only its checksum tells."""
+    path = checkpoint_data_file(prefix)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))

@@ -8,12 +8,14 @@ import glob
 import io
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_hetbatch.training import run_checkpoint
+from helpers import delete_checkpoint_index, truncate_checkpoint
+from tf_hetbatch.training import checkpoint_choice
 from tf_hetbatch.launch import launch
 
 HERE = os.path.join(os.path.dirname(__file__), "workers")
@@ -30,6 +32,8 @@ def run_async(script, out, *args, num_workers=2, cpus=None, max_restarts=0, time
     text = log.getvalue()
     if expect_ok:
         assert result.ok, result.message + "\n" + text[-5000:]
+    elif not os.path.exists(out):
+        return None, result, text
     with open(out) as f:
         return json.load(f), result, text
 
@@ -133,6 +137,41 @@ def test_a_notice_to_the_chief_redoes_no_update_and_a_lost_ps_resumes_from_the_c
     assert data["restored"]["step"] == 40
     assert len(data["history"]["val_accuracy"]) == 2
     assert data["update_count"] == 80
-    _, position = run_checkpoint.latest(str(ckpt))
-    assert (position["step"], position["epoch"], position["batch"]) == (120, 3, 0)
+    _, position = checkpoint_choice.newest(str(ckpt), "async")
+    assert (position.step, position.epoch, position.batch) == (120, 3, 0)
     assert data["history"]["val_accuracy"][-1] > 0.7
+
+
+def test_the_chief_skips_a_damaged_newest_checkpoint_and_names_them_if_none_is_left(tmp_path):
+    first = tmp_path / "first"
+    # Epoch 0 of 40 updates, saved at updates 15, 30 and the epoch's end (keep 2: 30, 40).
+    run_async(TRAIN, tmp_path / "a.json", "--epochs", "1", "--steps", "40", "--checkpoint-dir",
+              str(first), "--checkpoint-interval", "15")
+    state = tf.train.get_checkpoint_state(str(first))
+    assert [os.path.basename(p) for p in state.all_model_checkpoint_paths] == \
+        ["ckpt-30", "ckpt-40"]
+    # The newest cut short: the relaunch resumes at update 30 (epoch 0, batch 30).
+    resumed = tmp_path / "resumed"
+    shutil.copytree(first, resumed)
+    truncate_checkpoint(str(resumed / "ckpt-40"))
+    data, _, text = run_async(TRAIN, tmp_path / "b.json", "--epochs", "2", "--steps", "40",
+                              "--checkpoint-dir", str(resumed), "--checkpoint-interval", "15")
+    warnings = [line for line in text.splitlines() if "Checkpoint ckpt-40 in" in line]
+    assert len(warnings) == 1 and "Read less bytes than requested" in warnings[0]
+    restored = data["restored"]
+    assert (restored["step"], restored["epoch"], restored["batch"]) == (30, 0, 30)
+    assert data["update_count"] == 10 + 40  # the rest of epoch 0, then epoch 1
+    assert len(data["history"]["val_accuracy"]) == 2
+    # None readable: the chief stops with the error naming them, and writes nothing.
+    broken = tmp_path / "broken"
+    shutil.copytree(first, broken)
+    truncate_checkpoint(str(broken / "ckpt-40"))
+    delete_checkpoint_index(str(broken / "ckpt-30"))
+    files = sorted(os.listdir(broken))
+    data, result, text = run_async(TRAIN, tmp_path / "c.json", "--epochs", "2", "--steps",
+                                   "40", "--checkpoint-dir", str(broken), expect_ok=False)
+    assert not result.ok and data is None
+    [error] = [line for line in text.splitlines() if "ValueError: No checkpoint in" in line]
+    assert "ckpt-40 (IndexError" in error and "ckpt-30 (its index file" in error
+    assert "Fix:" in error
+    assert sorted(os.listdir(broken)) == files

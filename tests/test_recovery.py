@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 import tensorflow as tf
 
 import tf_hetbatch as hb
+from helpers import delete_checkpoint_index, truncate_checkpoint
 from tf_hetbatch.training import legacy_checkpoint
 from tf_hetbatch.training.recovery import ResumableCheckpoint
 from tf_hetbatch.launch import launch
@@ -167,6 +169,82 @@ def test_resume_with_fewer_workers_resplits_the_global_batch(tmp_path):
         assert max_diff(weights_of(weights, len(ref)), ref) <= 1e-5
     ids = np.sort(np.concatenate([w["ids"] for w, _ in outputs]))
     np.testing.assert_array_equal(ids, np.sort(ids_of_steps(14, TOTAL_STEPS)))
+
+
+@pytest.fixture(scope="module")
+def stopped_at_step_14(tmp_path_factory):
+    """The checkpoints of 2 workers stopped after step 14: ckpt-12 and ckpt-14 (epoch 1)."""
+    base = tmp_path_factory.mktemp("stopped")
+    result, log = run_cluster(base / "out", base / "ckpt", 2, "--every", "4", "--stop-step", "14")
+    assert result.ok, result.message + "\n" + log[-4000:]
+    assert checkpoints_in(base / "ckpt") == ["ckpt-12", "ckpt-14"]
+    return base / "ckpt"
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (truncate_checkpoint, "IndexError: Read less bytes than requested"),
+    (delete_checkpoint_index, "its index file ckpt-14.index is missing"),
+], ids=["truncated data", "deleted index"])
+def test_workers_skip_a_damaged_newest_checkpoint_and_resume_exactly(tmp_path, stopped_at_step_14,
+                                                                     damage, reason):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(stopped_at_step_14, ckpt)
+    damage(str(ckpt / "ckpt-14"))
+    result, log = run_cluster(tmp_path / "out", ckpt, 2, "--every", "4")
+    assert result.ok, result.message + "\n" + log[-4000:]
+    # Every worker read it the same way: one WARNING in the cluster, the chief's.
+    warnings = [line for line in log.splitlines() if "Checkpoint ckpt-14 in" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("[worker 0] ") and reason in warnings[0]
+    # Both resumed from the previous checkpoint and trained every later step once, exactly.
+    outputs = outputs_of(tmp_path / "out", 2)
+    ref = reference_weights()
+    for weights, info in outputs:
+        assert (info["restored"]["step"], info["restored"]["epoch"],
+                info["restored"]["batch"]) == (12, 1, 2)
+        assert info["first_step"] == 12
+        assert info["steps"] == TOTAL_STEPS - 12 and info["steps_trained"] == TOTAL_STEPS
+        assert max_diff(weights_of(weights, len(ref)), ref) <= 1e-5
+    ids = np.sort(np.concatenate([w["ids"] for w, _ in outputs]))
+    np.testing.assert_array_equal(ids, np.sort(ids_of_steps(12, TOTAL_STEPS)))
+
+
+def test_a_checkpoint_one_worker_cannot_read_is_skipped_by_every_worker(tmp_path,
+                                                                        stopped_at_step_14):
+    # A directory per worker, the same files but worker 1's newest cut short: as when one
+    # worker's read of shared storage fails. The workers agree to resume from ckpt-12.
+    for i in range(2):
+        shutil.copytree(stopped_at_step_14, tmp_path / f"ckpt{i}")
+    truncate_checkpoint(str(tmp_path / "ckpt1" / "ckpt-14"))
+    result, log = run_cluster(tmp_path / "out", tmp_path / "ckpt{worker}", 2, "--every", "4")
+    assert result.ok, result.message + "\n" + log[-4000:]
+    warnings = [line for line in log.splitlines() if "Checkpoint ckpt-14 in" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("[worker 1] ")
+    outputs = outputs_of(tmp_path / "out", 2)
+    ref = reference_weights()
+    for weights, info in outputs:
+        assert info["restored"]["step"] == info["first_step"] == 12
+        assert max_diff(weights_of(weights, len(ref)), ref) <= 1e-5
+
+
+def test_workers_with_no_readable_checkpoint_stop_with_the_named_error(tmp_path,
+                                                                       stopped_at_step_14):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(stopped_at_step_14, ckpt)
+    truncate_checkpoint(str(ckpt / "ckpt-14"))
+    delete_checkpoint_index(str(ckpt / "ckpt-12"))
+    before = _tree_digest(ckpt)
+    result, log = run_cluster(tmp_path / "out", ckpt, 2, "--every", "4")
+    assert not result.ok
+    for i in range(2):
+        errors = [line for line in log.splitlines()
+                  if line.startswith(f"[worker {i}] ValueError: No checkpoint in")]
+        assert len(errors) == 1, log[-4000:]
+        assert str(ckpt) in errors[0] and "Fix:" in errors[0]
+        assert "ckpt-14 (IndexError: Read less bytes than requested)" in errors[0]
+        assert "ckpt-12 (its index file ckpt-12.index is missing)" in errors[0]
+    # Nothing started afresh over them: no step trained, no file written.
+    assert _tree_digest(ckpt) == before
+    assert not os.path.exists(tmp_path / "out" / "worker0.attempt0.json")
 
 
 # ---------------------------------------------------------------------- one process -------
@@ -363,7 +441,7 @@ def test_an_earlier_format_checkpoint_that_does_not_match_is_refused_with_the_fi
         ResumableCheckpoint(tmp_path).latest()
 
 
-def test_a_state_file_naming_a_missing_checkpoint_fails_loudly(tmp_path, cpus):
+def test_the_state_file_decides_which_checkpoints_exist(tmp_path, cpus, caplog):
     model = _model_under(hb.HeteroMirroredStrategy(cpus[:1]))
     ckpt = ResumableCheckpoint(tmp_path, save_every_steps=4)
     model.fit(_data(), epochs=1, verbose=0, initial_epoch=ckpt.restore(model), callbacks=[ckpt])
@@ -372,11 +450,12 @@ def test_a_state_file_naming_a_missing_checkpoint_fails_loudly(tmp_path, cpus):
     # ignored, the state file's newest is used.
     tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt-99"))
     assert ckpt.latest()["step"] == 10
+    # The newest the state file names, with its files gone: skipped with a warning.
     for name in os.listdir(tmp_path):
         if name.startswith("ckpt-10."):
             os.remove(tmp_path / name)
-    with pytest.raises(ValueError, match="is missing.*ckpt-8"):
-        ResumableCheckpoint(tmp_path).latest()
+    assert ResumableCheckpoint(tmp_path).latest()["step"] == 8
+    assert "Checkpoint ckpt-10 in" in caplog.text and "is missing" in caplog.text
 
 
 def test_fit_without_restore_on_an_existing_checkpoint_is_an_error(tmp_path, cpus):

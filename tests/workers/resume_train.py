@@ -67,7 +67,9 @@ class Events(keras.callbacks.Callback):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--ckpt", required=True,
+                        help="the checkpoint directory; {worker} in it is replaced by the "
+                             "worker's index (a directory per worker, not shared)")
     parser.add_argument("--n", type=int, default=320)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=3)
@@ -96,7 +98,8 @@ def main():
     dynamic = None
     if args.dynamic:
         dynamic = hb.DynamicBatching(initial="uniform", warmup_steps=1, interval=3)
-    ckpt = ResumableCheckpoint(args.ckpt, save_every_steps=args.every, keep=args.keep,
+    ckpt = ResumableCheckpoint(args.ckpt.replace("{worker}", str(index)),
+                               save_every_steps=args.every, keep=args.keep,
                                dynamic_batching=dynamic)
     initial_epoch = ckpt.restore(model)
     restored_sizes = list(strategy.batch_sizes) if strategy.batch_sizes else None

@@ -14,7 +14,6 @@ update: the number of updates other workers applied between its reading of the s
 (just before its forward pass) and its own update.
 """
 
-import json
 import logging
 import os
 import time
@@ -28,6 +27,7 @@ from tf_hetbatch.core._validate import check_int
 from tf_hetbatch.core.measurements import Staleness
 from tf_hetbatch.distribute import parameter_server
 from tf_hetbatch.distribute.parameter_server import HeteroParameterServerStrategy
+from tf_hetbatch.training import checkpoint_choice as _choice
 from tf_hetbatch.training import run_checkpoint as _run
 from tf_hetbatch.training.preemption import RESTART_EXIT_CODE, PreemptionNotice
 
@@ -35,9 +35,6 @@ logger = logging.getLogger(__name__)
 
 _LOG_READ_INTERVAL_S = 0.25
 _TRAINER = "async"
-# The position file of checkpoints of the earlier AsyncTrainer (before the position went into
-# the TensorFlow checkpoint itself): read to resume such a directory, never written.
-_LEGACY_META_FILE = "hetbatch_async.json"
 
 
 class ParameterServerLostError(RuntimeError):
@@ -412,84 +409,48 @@ class AsyncTrainer:
 
     # ------------------------------------------------------------------ checkpoints -------
     def _restore(self, callback_list, steps_per_epoch, batch_size):
-        """Restores the newest checkpoint of `checkpoint_dir`; returns (epoch, batch) to go on."""
+        """Restores the newest readable checkpoint of `checkpoint_dir`; returns (epoch, batch).
+
+        Only the chief reads checkpoints (the variables live on the parameter servers), so
+        its choice needs no agreement: a checkpoint that cannot be read is skipped with one
+        WARNING, and if none can be read the error names them (`checkpoint_choice`).
+        """
         self.restored = {}
         if self._store is None:
             return 0, 0
-        found = self._find_checkpoint()
-        if found is None:
+        chosen = _choice.newest(self.checkpoint_dir, _TRAINER)
+        if chosen is None:
             return 0, 0
-        path, position = found
-        if position.get("trainer") != _TRAINER:
-            raise ValueError(
-                f"The checkpoint {path} was written by {position.get('trainer')!r} training "
-                "(ResumableCheckpoint in Keras fit), not by AsyncTrainer: its epochs and steps "
-                "mean something else. Fix: use another checkpoint_dir for this run.")
-        if position.get("legacy"):
-            self._restore_legacy(path)
-        else:
-            self._store.restore(path)
-        self._global_step = int(position["step"])
-        states = position.get("dynamic_batching") or []
-        saved_parts = int(position.get("num_parts") or len(position.get("batch_sizes") or [])
-                          or self.strategy.num_workers)
+        checkpoint, position = chosen
+        checkpoint.restore(self._store, log=True)
+        self._global_step = position.step
         sizes, keep_state = _run.resume_split(
-            position.get("batch_sizes") or None, saved_parts, self.strategy.num_workers,
-            batch_size * self.strategy.num_workers, path, log=True)
+            position.batch_sizes, position.num_parts or self.strategy.num_workers,
+            self.strategy.num_workers, batch_size * self.strategy.num_workers,
+            checkpoint.path, log=True)
         if sizes is not None:
             self.strategy.set_batch_sizes(sizes)
         if keep_state:
-            for callback, state in zip(_dynamic_batching(callback_list), states):
+            for callback, state in zip(_dynamic_batching(callback_list),
+                                       position.dynamic_batching or []):
                 callback.set_state(state)
         logger.info("Resumed from %s: update %d (epoch %d, batch %d), split %s.",
-                    path, self._global_step, position["epoch"], position["batch"],
+                    checkpoint.path, self._global_step, position.epoch, position.batch,
                     self.strategy.batch_sizes)
-        self.restored = position
-        batch = int(position["batch"])
-        if batch >= steps_per_epoch:
-            return int(position["epoch"]) + 1, 0
-        return int(position["epoch"]), batch
-
-    def _find_checkpoint(self):
-        """(path, position) of the newest checkpoint, also of the earlier format; or None."""
-        legacy_meta = os.path.join(self.checkpoint_dir, _LEGACY_META_FILE)
-        try:
-            return _run.latest(self.checkpoint_dir)
-        except ValueError:
-            if not tf.io.gfile.exists(legacy_meta):
-                raise
-        # The earlier format: model and optimizer in the TensorFlow checkpoint, the position
-        # in a JSON file beside it.
-        with tf.io.gfile.GFile(legacy_meta) as f:
-            meta = json.load(f)
-        position = {"trainer": _TRAINER, "step": int(meta["step"]),
-                    "epoch": int(meta["epoch"]), "batch": int(meta["batch"]),
-                    "batch_sizes": meta.get("batch_sizes") or None,
-                    "num_parts": len(meta.get("batch_sizes") or []) or None,
-                    "dynamic_batching": meta.get("dynamic_batching", []), "legacy": True}
-        logger.info("Resuming from %s, a checkpoint of the earlier AsyncTrainer format (%s "
-                    "beside it); new checkpoints hold their position themselves.",
-                    meta["checkpoint"], _LEGACY_META_FILE)
-        return meta["checkpoint"], position
-
-    def _restore_legacy(self, path):
-        checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
-        try:
-            checkpoint.restore(path).assert_existing_objects_matched()
-        except (AssertionError, ValueError, tf.errors.OpError) as error:
-            raise ValueError(
-                f"The checkpoint {path} does not match this model and optimizer ({error}). "
-                "Fix: build the model and optimizer as when it was written, or use another "
-                "checkpoint_dir.") from error
+        self.restored = position.to_dict()
+        if position.batch >= steps_per_epoch:
+            return position.epoch + 1, 0
+        return position.epoch, position.batch
 
     def _save(self, callback_list, epoch, batch):
         if self._store is None:
             return None
-        position = {"trainer": _TRAINER, "step": self._global_step, "epoch": epoch,
-                    "batch": batch, "batch_sizes": list(self.strategy.batch_sizes or []),
-                    "num_parts": self.strategy.num_workers,
-                    "dynamic_batching": [cb.get_state()
-                                         for cb in _dynamic_batching(callback_list)]}
+        sizes = self.strategy.batch_sizes
+        position = _run.RunPosition(
+            trainer=_TRAINER, step=self._global_step, epoch=epoch, batch=batch,
+            num_parts=self.strategy.num_workers,
+            batch_sizes=tuple(int(s) for s in sizes) if sizes else None,
+            dynamic_batching=[cb.get_state() for cb in _dynamic_batching(callback_list)])
         path = self._store.save(position)
         logger.debug("Checkpoint %s at update %d.", path, self._global_step)
         return path

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, Optional, Union
+import zlib
+from typing import Any, Dict, Optional, Tuple, Union
 
 import keras
 import numpy as np
@@ -22,7 +23,7 @@ import numpy as np
 from tf_hetbatch.core._validate import check_int
 from tf_hetbatch.distribute import keras_fit
 from tf_hetbatch.distribute.strategy import StepCounter, hetero_strategy_of
-from tf_hetbatch.training import legacy_checkpoint as _legacy
+from tf_hetbatch.training import checkpoint_choice as _choice
 from tf_hetbatch.training import run_checkpoint as _run
 from tf_hetbatch.training.preemption import RESTART_EXIT_CODE, PreemptionNotice
 
@@ -64,9 +65,12 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     last step the checkpoint is that epoch's end, without its validation. A SIGKILL still
     loses the steps since the last save (at most `save_every_steps - 1`).
 
-    Resuming (`restore`, on every worker, before `fit`): every worker loads the newest
-    checkpoint and checks with one collective that all workers found the same one; restores
-    weights and optimizer variables (building the optimizer first); calls
+    Resuming (`restore`, on every worker, before `fit`): every worker lists the checkpoints
+    and checks with one collective that all workers found the same ones; takes the newest
+    that every worker can read whole (one collective per checkpoint tried; one that cannot be
+    read, e.g. a data file cut short or an index file lost, is skipped with one WARNING, and
+    if none can be read the error names them and what to do: the run never starts afresh
+    over them); restores weights and optimizer variables (building the optimizer first); calls
     `strategy.resume_at(step, skip_batches=batches done in the epoch)` so the first epoch of
     the next `fit` skips the global batches already trained; and restores the split. With the
     same replica count as when saved, the saved split and the `dynamic_batching` state; with
@@ -177,7 +181,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
 
     # ------------------------------------------------------------------ public ------------
     def latest(self) -> Optional[Dict[str, Any]]:
-        """The position saved in the newest complete checkpoint, or None.
+        """The position saved in the checkpoint `restore` would resume from, or None.
+
+        That is the newest checkpoint that can be read; one that cannot is skipped with a
+        WARNING (see `restore`). It reads the checkpoint whole.
 
         Returns:
             A dict with "step", "epoch", "batch" (batches of that epoch done), "batch_sizes",
@@ -185,12 +192,13 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             `tf.train.Checkpoint` path; for the earlier format, its directory).
 
         Raises:
-            ValueError: the newest checkpoint is missing, unreadable or foreign.
+            ValueError: no checkpoint can be read, or the newest readable one is foreign.
         """
-        found = self._find()
-        if found is None:
+        chosen = _choice.newest(self.directory, _TRAINER)
+        if chosen is None:
             return None
-        return dict(found[2], path=found[1])
+        checkpoint, position = chosen
+        return dict(position.to_dict(), path=checkpoint.path)
 
     def request_preemption(self) -> None:
         """Asks for what a SIGTERM does: every worker saves at a step soon and exits.
@@ -204,10 +212,13 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             self._pending_request = True
 
     def restore(self, model: keras.Model) -> int:
-        """Restores the newest checkpoint into `model` and its strategy; call before `fit`.
+        """Restores the newest readable checkpoint into `model` and its strategy; before `fit`.
 
         Call it on every worker, at the same point (it runs collectives). With no checkpoint
-        in `directory`, it changes nothing and returns 0.
+        in `directory`, it changes nothing and returns 0. A checkpoint that cannot be read
+        (a data file cut short, an index file lost, a checksum that does not match) is
+        skipped with one WARNING naming it and why, and the newest one that every worker can
+        read is restored; the model is restored only from a checkpoint read whole first.
 
         Args:
             model: the compiled model, created under a tf_hetbatch strategy, and built (an
@@ -218,21 +229,20 @@ class ResumableCheckpoint(keras.callbacks.Callback):
 
         Raises:
             ValueError: the model is not under a synchronous tf_hetbatch strategy; it is not
-                built; the checkpoint does not match the model; the
-                workers found different checkpoints (`directory` not shared); a broken or
-                foreign checkpoint.
+                built; the checkpoint does not match the model; the workers found different
+                checkpoints (`directory` not shared); none of the checkpoints can be read
+                (the message names the directory, each checkpoint tried and why, and what to
+                do); a foreign checkpoint.
         """
         strategy = hetero_strategy_of(model, "ResumableCheckpoint", synchronous=True)
-        found = self._find()
-        _check_same_on_all_workers(strategy, -1 if found is None else int(found[2]["step"]),
-                                   self.directory)
+        # None until this restore succeeds: a fit after a failed one refuses to start afresh.
+        self.restored, self._resume_epoch, self._resume_batch = None, None, 0
         self._wrote = False
-        if found is None:
+        found = _choice.find(self.directory)
+        _check_same_on_all_workers(strategy, found, self.directory)
+        if not found:
             self.restored = {}
-            self._resume_epoch = None
-            self._resume_batch = 0
             return 0
-        kind, where, position = found
         if not model.built:
             raise ValueError(
                 f"`model` must be built before restore() can load its weights. Received an "
@@ -242,34 +252,24 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if optimizer is not None and not optimizer.built:
             with strategy.scope():
                 optimizer.build(model.trainable_variables)
-        if kind == "tf":
-            self._store_for(model).restore(where)
-        else:
-            _restore_legacy(model, self.directory, where, position)
-            if strategy.is_chief:
-                logger.info(
-                    "Resuming from %s, a checkpoint of the earlier tf_hetbatch format. New "
-                    "checkpoints are TensorFlow checkpoints (ckpt-<step>) in the same "
-                    "directory; the earlier files (%s, step-*/) are left as they are: delete "
-                    "them once a new checkpoint is written.", os.path.join(self.directory, where),
-                    _legacy.POINTER)
-        step, epoch, batch = int(position["step"]), int(position["epoch"]), \
-            int(position["batch"])
-        strategy.resume_at(step, skip_batches=batch)
-        self._restore_split(strategy, position, where)
-        self.restored = position
-        self._resume_epoch, self._resume_batch = epoch, batch
+        checkpoint, position = _choice.choose(found, self.directory, _TRAINER,
+                                              agree=_agreement(strategy))
+        checkpoint.restore(self._store_for(model), log=strategy.is_chief)
+        strategy.resume_at(position.step, skip_batches=position.batch)
+        self._restore_split(strategy, position, checkpoint.name)
+        self.restored = position.to_dict()
+        self._resume_epoch, self._resume_batch = position.epoch, position.batch
         if strategy.is_chief:
             logger.info("Resumed from %s: step %d, epoch %d after %d of its batches.",
-                        where, step, epoch, batch)
-        return epoch
+                        checkpoint.path, position.step, position.epoch, position.batch)
+        return position.epoch
 
     # ------------------------------------------------------------------ Keras hooks -------
     def on_train_begin(self, logs=None):
         strategy = hetero_strategy_of(self.model, "ResumableCheckpoint", synchronous=True)
         self._strategy = strategy
         self._steps = StepCounter(strategy)
-        if self.restored is None and not self._wrote and self._find() is not None:
+        if self.restored is None and not self._wrote and _choice.find(self.directory):
             raise ValueError(
                 f"`directory` {self.directory!r} already holds a checkpoint, but restore() was "
                 "not called before fit, so training would start afresh and overwrite it. Fix: "
@@ -335,24 +335,6 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             self._save(epoch, self._batches)
 
     # ------------------------------------------------------------------ internals ---------
-    def _find(self):
-        """("tf", path, position) or ("legacy", name, position) of the newest, or None."""
-        new = _run.latest(self.directory)
-        old = _legacy.find(self.directory)
-        if new is not None:
-            position = _check_trainer(new[1], new[0])
-            if old is None or int(position["step"]) >= int(old[1]["step"]):
-                return "tf", new[0], position
-        if old is None:
-            return None
-        name, meta = old
-        position = {"trainer": _TRAINER, "step": int(meta["step"]), "epoch": int(meta["epoch"]),
-                    "batch": int(meta["batch"]), "batch_sizes": meta.get("batch_sizes"),
-                    "num_parts": int(meta["num_replicas"]),
-                    "dynamic_batching": meta.get("dynamic_batching"),
-                    "legacy": dict(meta)}
-        return "legacy", name, position
-
     def _store_for(self, model) -> _run.RunCheckpoint:
         if self._store is None or self._store_model is not model:
             self._store = _run.RunCheckpoint(self.directory, model, model.optimizer, self.keep)
@@ -396,13 +378,13 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         steps = self.params.get("steps") if self.params else None
         return steps is None or self._batches >= steps
 
-    def _restore_split(self, strategy, position, where):
+    def _restore_split(self, strategy, position: _run.RunPosition, where):
         sizes, keep_state = _run.resume_split(
-            position.get("batch_sizes"), int(position["num_parts"]),
-            strategy.num_parts, None, where, log=strategy.is_chief)
+            position.batch_sizes, position.num_parts, strategy.num_parts, None, where,
+            log=strategy.is_chief)
         if sizes is not None:
             strategy.set_batch_sizes(sizes)  # a collective in multi-worker training
-        state = position.get("dynamic_batching")
+        state = position.dynamic_batching
         if keep_state and self.dynamic_batching is not None and state is not None:
             self.dynamic_batching.set_state(state)
 
@@ -412,45 +394,18 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if not strategy.is_chief:
             return
         sizes = strategy.batch_sizes
-        position = {
-            "trainer": _TRAINER,
-            "step": int(self._step),
-            "epoch": int(epoch),
-            "batch": int(batch),
-            "batch_sizes": None if sizes is None else [int(s) for s in sizes],
-            "num_parts": int(strategy.num_parts),
-            "dynamic_batching": None if self.dynamic_batching is None
-            else self.dynamic_batching.get_state(),
-        }
+        position = _run.RunPosition(
+            trainer=_TRAINER, step=int(self._step), epoch=int(epoch), batch=int(batch),
+            num_parts=int(strategy.num_parts),
+            batch_sizes=None if sizes is None else tuple(int(s) for s in sizes),
+            dynamic_batching=None if self.dynamic_batching is None
+            else self.dynamic_batching.get_state())
         path = self._store_for(self.model).save(position)
         self._wrote = True
         logger.debug("Checkpoint %s written.", path)
 
 
 # ---------------------------------------------------------------------- helpers ----------
-def _restore_legacy(model, directory, name, position) -> None:
-    weights, opt_values = _legacy.load(directory, name, position["legacy"])
-    _legacy.assign(_legacy.model_variables(model), weights, "model.weights", name)
-    if opt_values:
-        if model.optimizer is None:
-            raise ValueError(
-                f"The checkpoint {name} holds optimizer variables but the model has no "
-                "optimizer. Fix: compile the model as when the checkpoint was written, "
-                "before restore().")
-        _legacy.assign(_legacy.optimizer_variables(model), opt_values,
-                       "model.optimizer.variables", name)
-
-
-def _check_trainer(position, path):
-    trainer = position.get("trainer")
-    if trainer != _TRAINER:
-        raise ValueError(
-            f"The checkpoint {path} was written by {trainer!r} training (AsyncTrainer), not "
-            "by ResumableCheckpoint in Keras fit: its epochs and steps mean something else. "
-            "Fix: use a new directory for this run.")
-    return position
-
-
 def _iterations(model) -> Optional[int]:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or not optimizer.built:
@@ -458,13 +413,38 @@ def _iterations(model) -> Optional[int]:
     return int(optimizer.iterations.numpy())
 
 
-def _check_same_on_all_workers(strategy, step: int, directory: str) -> None:
-    """One collective: every worker must have found the same checkpoint step."""
-    local = np.full(strategy.num_local_replicas, float(step))
-    steps = np.asarray(strategy.gather_replica_values(local))
-    if not np.all(steps == steps[0]):
-        found = sorted({int(s) for s in steps})
+def _check_same_on_all_workers(strategy, found, directory: str) -> None:
+    """One collective: every worker must have found the same checkpoints."""
+    newest = found[0].step if found else -1
+    names = zlib.crc32("\n".join(f.name for f in found).encode("utf-8"))
+    local = np.tile([float(newest), float(names)], (strategy.num_local_replicas, 1))
+    rows = np.asarray(strategy.gather_replica_values(local))
+    if not np.all(rows == rows[0]):
+        steps = sorted({int(s) for s in rows[:, 0]})
         raise ValueError(
-            f"The workers found different checkpoints in {directory!r} (steps {found}; -1: "
-            "none). Fix: put `directory` on storage every worker sees (a shared file system), "
-            "and call restore() on every worker before fit.")
+            f"The workers found different checkpoints in {directory!r} (newest steps {steps}; "
+            "-1: none). Fix: put `directory` on storage every worker sees (a shared file "
+            "system), and call restore() on every worker before fit.")
+
+
+def _agreement(strategy):
+    """How the workers agree on the checkpoint to resume from: one collective a candidate.
+
+    Every worker reads each candidate itself (it restores its own copy of the model from
+    it), and every worker must take the same one. A shared directory shows every worker the
+    same files, but not necessarily the same reads: a network file system or a bucket can
+    fail one worker's read and not another's (a timeout, a stale cache). So no worker decides
+    alone: for each candidate, newest first, all workers gather their statuses, and the
+    candidate is taken only if every worker read it whole (`checkpoint_choice.choose`); the
+    worst status of any worker is everyone's. The skip is logged once: by the chief if it
+    could not read the checkpoint either, else by each worker that could not.
+    """
+    def agree(status: int) -> Tuple[int, bool]:
+        local = np.tile([float(status), float(strategy.is_chief)],
+                        (strategy.num_local_replicas, 1))
+        rows = np.asarray(strategy.gather_replica_values(local))
+        chief_status = int(rows[rows[:, 1] == 1, 0].max(initial=_choice.OK))
+        log = status != _choice.OK and (strategy.is_chief or chief_status == _choice.OK)
+        return int(rows[:, 0].max()), log
+
+    return agree

@@ -11,17 +11,21 @@ tensorflow-io, `ram://`), and the files are ordinary TensorFlow checkpoints:
     ckpt-<step>.data-00000-of-00001
 
 The checkpoint's root has three children: `model` (the Keras model), `optimizer` and
-`tf_hetbatch`, a `tf.train.experimental.PythonState` holding the run's position as JSON
-(format, global step, epoch, batches done in it, the split, its replica count, controller
-state). So the position is written in the same files as the weights, and a reader that goes
-through the state file (`tf.train.latest_checkpoint`) sees either the whole checkpoint or the
-previous one. A plain Keras process restores the weights with
+`tf_hetbatch`, a `tf.train.experimental.PythonState` holding the run's position
+(`RunPosition`) as JSON. So the position is written in the same files as the weights, and a
+reader that goes through the state file sees either the whole checkpoint or the previous one.
+A plain Keras process restores the weights with
 `tf.train.Checkpoint(model=model).restore(path).expect_partial()`.
+
+Which checkpoint a run resumes from (the newest that can be read) is chosen in
+`tf_hetbatch.training.checkpoint_choice`.
 """
 
+import dataclasses
 import json
 import logging
 import os
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -33,6 +37,69 @@ logger = logging.getLogger(__name__)
 STATE_FORMAT = "tf_hetbatch.run/2"
 STATE_CHILD = "tf_hetbatch"
 CHECKPOINT_NAME = "ckpt"
+STATE_FILE = "checkpoint"  # CheckpointManager's state file
+TRAINERS = {"fit": "ResumableCheckpoint in Keras fit", "async": "AsyncTrainer"}
+
+_NUMBERED = re.compile(re.escape(CHECKPOINT_NAME) + r"-(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPosition:
+    """Where a training run stands at a checkpoint: saved in it, and read back to resume.
+
+    One record for both trainers; saved as the JSON of `to_dict` (format `STATE_FORMAT`), and
+    the earlier formats' positions are read into it too (`legacy_checkpoint`).
+
+    Attributes:
+        trainer: "fit" (`ResumableCheckpoint` in Keras `fit`) or "async" (`AsyncTrainer`):
+            their steps and epochs mean different things, so one never resumes the other's.
+        step: global steps trained (fit), or updates applied (async).
+        epoch: the epoch to resume in.
+        batch: its batches (fit) or updates (async) already done.
+        num_parts: replicas (fit) or workers (async) when saved; None where an earlier
+            format did not say (then the split's length, else the count now).
+        batch_sizes: the split when saved, or None (the even split).
+        dynamic_batching: `DynamicBatching` state: fit one `get_state()` dict or None; async a
+            list, one per `DynamicBatching` callback.
+    """
+
+    trainer: str
+    step: int
+    epoch: int
+    batch: int
+    num_parts: Optional[int]
+    batch_sizes: Optional[Tuple[int, ...]] = None
+    dynamic_batching: Any = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON-ready dict saved in the checkpoint (with "format": `STATE_FORMAT`)."""
+        return {"format": STATE_FORMAT, "trainer": self.trainer, "step": self.step,
+                "epoch": self.epoch, "batch": self.batch,
+                "batch_sizes": None if self.batch_sizes is None else list(self.batch_sizes),
+                "num_parts": self.num_parts, "dynamic_batching": self.dynamic_batching}
+
+    @classmethod
+    def from_dict(cls, value: Dict[str, Any], where: str) -> "RunPosition":
+        """The position of a dict of `to_dict`'s form ("format" is not checked here).
+
+        An empty split (`[]`, as AsyncTrainer wrote when none was set) is None.
+
+        Raises:
+            ValueError: a field is missing or not a number where one is needed.
+        """
+        try:
+            sizes = value.get("batch_sizes") or None
+            sizes = None if sizes is None else tuple(int(s) for s in sizes)
+            parts = value.get("num_parts") or (len(sizes) if sizes else None)
+            return cls(trainer=str(value["trainer"]), step=int(value["step"]),
+                       epoch=int(value["epoch"]), batch=int(value["batch"]),
+                       num_parts=None if parts is None else int(parts), batch_sizes=sizes,
+                       dynamic_batching=value.get("dynamic_batching"))
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(
+                f"The checkpoint {where} holds a malformed run position ({type(error).__name__}:"
+                f" {error}). Received: {str(value)[:300]}. Fix: resume from another checkpoint "
+                "(delete this one), or start in a new directory.") from error
 
 
 class _RunState(tf.train.experimental.PythonState):
@@ -50,57 +117,61 @@ class _RunState(tf.train.experimental.PythonState):
         self.value = json.loads(string_value) if string_value else {}
 
 
-def latest(directory: str) -> Optional[Tuple[str, Dict[str, Any]]]:
-    """(path, position) of the newest complete checkpoint in `directory`, or None.
+def listed(directory: str) -> List[Tuple[int, str]]:
+    """(step, path) of the run's checkpoints in `directory`, newest first; [] if none.
 
-    Raises:
-        ValueError: the newest checkpoint is unreadable or not a tf_hetbatch run checkpoint.
+    The checkpoints the state file lists (`CheckpointManager` adds one only after its files
+    are written). If the state file is missing or unreadable, the `ckpt-<step>.index` files
+    present instead, so a lost state file never makes a run start afresh over them. Nothing
+    is read but the state file and the directory listing.
     """
-    state = tf.train.get_checkpoint_state(directory)
-    if state is None or not state.model_checkpoint_path:
-        return None
-    path = state.model_checkpoint_path
-    if not os.path.isabs(path) and "://" not in path:
-        path = os.path.join(directory, path)
-    if not tf.io.gfile.exists(path + ".index"):
-        present = [p for p in state.all_model_checkpoint_paths
-                   if tf.io.gfile.exists(os.path.join(directory, os.path.basename(p)) + ".index")]
-        raise ValueError(
-            f"The newest checkpoint that {os.path.join(directory, 'checkpoint')} names, {path}, "
-            "is missing, so the run cannot resume from it (and starting afresh would overwrite "
-            "the directory). Fix: restore its files, or name an older complete checkpoint in "
-            f"that file (present: {present or 'none'}), or start in a new directory.")
-    return path, read_state(path)
+    state = tf.train.get_checkpoint_state(directory)  # None if missing or unparsable
+    if state is not None and state.all_model_checkpoint_paths:
+        names = [os.path.basename(p) for p in state.all_model_checkpoint_paths]
+    else:
+        pattern = os.path.join(directory, f"{CHECKPOINT_NAME}-*.index")
+        names = [os.path.basename(p)[:-len(".index")] for p in tf.io.gfile.glob(pattern)]
+    numbered = []
+    for name in names:
+        match = _NUMBERED.match(name)
+        if match:
+            numbered.append((int(match.group(1)), os.path.join(directory, name)))
+    return sorted(set(numbered), reverse=True)
 
 
-def read_state(path: str) -> Dict[str, Any]:
-    """The position saved in the checkpoint at `path` (a prefix such as `.../ckpt-120`).
+def read_every_tensor(path: str) -> None:
+    """Reads every tensor of the checkpoint at `path`, checking each one's checksum.
 
-    Raises:
-        ValueError: the checkpoint is unreadable or holds no tf_hetbatch position.
+    Raises whatever reading raises: `tf.errors.OpError` (a missing or corrupt file, a checksum
+    that does not match), `IndexError` (a data file cut short: "Read less bytes than
+    requested"), ...
+    """
+    # NewCheckpointReader takes the prefix itself; tf.train.load_checkpoint first asks whether
+    # it is a directory, which the ram:// file system answers yes for any prefix.
+    reader = tf.compat.v1.train.NewCheckpointReader(path)
+    for key in sorted(reader.get_variable_to_dtype_map()):
+        reader.get_tensor(key)
+
+
+def read_position_value(path: str) -> Dict[str, Any]:
+    """The position JSON saved in the checkpoint at `path`, as a dict ({} if it holds none).
+
+    Raises whatever reading raises (see `read_every_tensor`; `ValueError` for bad JSON).
     """
     state = _RunState()
-    try:
-        tf.train.Checkpoint(**{STATE_CHILD: state}).restore(path).expect_partial()
-    except (tf.errors.OpError, ValueError) as error:
-        raise ValueError(
-            f"The checkpoint {path} is unreadable ({type(error).__name__}: "
-            f"{str(error).splitlines()[0][:200]}). Fix: restore its files, or point the "
-            "directory's `checkpoint` file at an older complete checkpoint, or start in a new "
-            "directory.") from error
-    return _checked(state.value, path)
+    tf.train.Checkpoint(**{STATE_CHILD: state}).restore(path).expect_partial()
+    return state.value if isinstance(state.value, dict) else {}
 
 
-def _checked(value, path):
-    if not isinstance(value, dict) or value.get("format") != STATE_FORMAT:
+def check_format(value: Dict[str, Any], path: str) -> None:
+    """Raises ValueError unless `value` is a position of `STATE_FORMAT`."""
+    if value.get("format") != STATE_FORMAT:
         raise ValueError(
             f"The checkpoint {path} holds no tf_hetbatch run position (format "
             f"{STATE_FORMAT!r}): it was not written by ResumableCheckpoint or AsyncTrainer of "
-            "this version. Received: "
-            f"{None if not isinstance(value, dict) else value.get('format')!r}. Fix: use a new "
-            "directory for this run, and restore that checkpoint with "
+            f"this version. Received: {value.get('format')!r}. Fix: use a new directory for "
+            "this run, and restore that checkpoint with "
             "tf.train.Checkpoint(model=model).restore(path) if you need its weights.")
-    return value
 
 
 class RunCheckpoint:
@@ -115,6 +186,8 @@ class RunCheckpoint:
 
     def __init__(self, directory: str, model, optimizer=None, keep: int = 2):
         self.directory = directory
+        self.model = model
+        self.optimizer = optimizer
         self._state = _RunState()
         children = {"model": model, STATE_CHILD: self._state}
         if optimizer is not None:
@@ -130,14 +203,14 @@ class RunCheckpoint:
         """The newest complete checkpoint's path (as the directory's state file names it)."""
         return tf.train.latest_checkpoint(self.directory)
 
-    def save(self, position: Dict[str, Any]) -> str:
-        """Writes one checkpoint with `position` (it must hold "step"); returns its path.
+    def save(self, position: RunPosition) -> str:
+        """Writes one checkpoint at `position.step` with `position`; returns its path.
 
         Call it on the chief only (it reads its local copies of the variables; no collective).
         A second save at the step this object last saved or restored writes nothing (the
         files of that step may be the ones the state file names) and returns that path.
         """
-        step = int(position["step"])
+        step = int(position.step)
         if step == self._last_step and self._last_path is not None:
             logger.debug("Step %d is already in %s; not saved again.", step, self._last_path)
             return self._last_path
@@ -145,19 +218,18 @@ class RunCheckpoint:
             self._manager = tf.train.CheckpointManager(
                 self._checkpoint, self.directory, max_to_keep=self._keep,
                 checkpoint_name=CHECKPOINT_NAME)
-        self._state.value = dict(position, format=STATE_FORMAT)
+        self._state.value = position.to_dict()
         path = self._manager.save(checkpoint_number=step)
         self._last_step, self._last_path = step, path
         return path
 
-    def restore(self, path: str) -> Dict[str, Any]:
-        """Restores the model, the optimizer and the position saved at `path`; returns it.
+    def restore(self, path: str) -> None:
+        """Restores the model, the optimizer and the position saved at `path`.
 
         Build the model and its optimizer first (their variables must exist).
 
         Raises:
-            ValueError: the checkpoint does not match the model or the optimizer, or holds no
-                tf_hetbatch position.
+            ValueError: the checkpoint does not match the model or the optimizer.
         """
         try:
             status = self._checkpoint.restore(path)
@@ -168,9 +240,7 @@ class RunCheckpoint:
                 f"({type(error).__name__}: {str(error).splitlines()[0][:300]}). Fix: build and "
                 "compile the model as when the checkpoint was written (same layers, shapes "
                 "and optimizer), or start in a new directory.") from error
-        position = _checked(self._state.value, path)
-        self._last_step, self._last_path = int(position["step"]), path
-        return position
+        self._last_step, self._last_path = int(self._state.value["step"]), path
 
 
 def resume_split(saved: Optional[Sequence[int]], saved_parts: int, num_parts: int,
