@@ -190,10 +190,15 @@ def delete_checkpoint_data(prefix):
 
 
 def flip_a_checkpoint_byte(prefix):
-    """Changes one byte in the middle of the data file: only its checksum tells."""
+    """Changes one byte of the largest weight in the data file: only its checksum tells."""
+    reader = tf.compat.v1.train.NewCheckpointReader(prefix)
+    values = max((reader.get_tensor(key) for key in reader.get_variable_to_dtype_map()),
+                 key=lambda value: getattr(value, "nbytes", 0))
     path = checkpoint_data_file(prefix)
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    at = data.find(values.tobytes())
+    assert at >= 0, "the weight's bytes are not in the data file"
+    data[at + values.nbytes // 2] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(data)
