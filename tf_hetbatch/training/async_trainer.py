@@ -57,10 +57,12 @@ class AsyncTrainer:
         strategy: default `model.distribute_strategy`.
         checkpoint_dir: if set, the model, optimizer, split and `DynamicBatching` state are
             saved there (at each epoch end, every `checkpoint_interval` updates and on a
-            preemption notice), and `fit` resumes from the newest checkpoint found there. The
-            checkpoints are TensorFlow checkpoints, the same as `ResumableCheckpoint`'s
-            (`tf_hetbatch.training.run_checkpoint`), on any `tf.io.gfile` path. If the worker count
-            changed, the split is even and `DynamicBatching` starts afresh.
+            preemption notice), and `fit` resumes from the newest checkpoint there that can be
+            read (a damaged one is skipped with a WARNING; if none can be read, a ValueError
+            names them). The checkpoints are TensorFlow checkpoints, the same as
+            `ResumableCheckpoint`'s (`tf_hetbatch.training.run_checkpoint`), on any
+            `tf.io.gfile` path. If the worker count changed, the split is even and
+            `DynamicBatching` starts afresh.
         checkpoint_interval: updates between mid-epoch checkpoints (None: epoch ends only).
             Each waits for the scheduled steps to finish.
         max_outstanding: scheduled steps allowed to be queued or running at once; default
