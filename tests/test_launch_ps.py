@@ -307,7 +307,8 @@ def test_preemption_without_ps_ends_the_attempt_and_max_restarts_restarts(tmp_pa
     assert result.workers[0].stopped_by_launcher and result.chief is None and result.ps == ()
 
 
-# On SIGTERM, worker 1 "saves" (a file); every worker exits with RESTART_EXIT_CODE once it
+# On SIGTERM, worker 1 "saves" (a file, 4 s later: longer than the former default grace of
+# 3 s, as a real save and exit can be); every worker exits with RESTART_EXIT_CODE once it
 # sees that file, as tf_hetbatch workers all save at one agreed step. With "ignore", the
 # SIGTERM does nothing.
 WORKER_ON_NOTICE = """
@@ -318,7 +319,7 @@ saved = os.path.join(sys.argv[1], f"saved-a{attempt}")
 if sys.argv[2] == "ignore":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 else:
-    signal.signal(signal.SIGTERM, lambda *_: open(saved, "w").close())
+    signal.signal(signal.SIGTERM, lambda *_: time.sleep(4) or open(saved, "w").close())
 open(os.path.join(sys.argv[1], f"a{attempt}w{i}-{os.getpid()}"), "w").close()
 end = time.monotonic() + (30 if attempt == "0" else 0.5)
 while time.monotonic() < end:
@@ -333,7 +334,7 @@ def test_a_notice_and_the_restart_exit_code_restart_the_cluster_without_a_failur
     script = write_script(tmp_path, WORKER_ON_NOTICE, "worker.py")
     out = io.StringIO()
     result = launch([script, str(tmp_path), "save"], 2, preempt="1.5:1/term", max_restarts=0,
-                    grace=10.0, stdout=out, stderr=out)
+                    stdout=out, stderr=out)  # the default grace covers the save
     assert result.ok and result.attempts == 2, result.message
     assert "1 restart after preemption notices" in result.message
     assert any("notice to worker 1 (SIGTERM" in e for e in result.events), result.events

@@ -36,13 +36,12 @@ TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH
 
 
 # ---------------------------------------------------------------------- helpers -----------
-def run_cluster(out, ckpt, num_workers, *args, max_restarts=0, timeout=150, preempt=None,
-                grace=3.0):
+def run_cluster(out, ckpt, num_workers, *args, max_restarts=0, timeout=150, preempt=None):
     log = io.StringIO()
-    result = launch(
+    result = launch(  # the default grace, as a user's launch
         [WORKER, "--out", str(out), "--ckpt", str(ckpt), *args], num_workers, threads=1,
         max_restarts=max_restarts, timeout=timeout, stdout=log, stderr=log,
-        handle_signals=False, preempt=preempt, grace=grace,
+        handle_signals=False, preempt=preempt,
     )
     return result, log.getvalue()
 

@@ -28,9 +28,9 @@ Example:
     assert result.ok, result.message
     # Asynchronous: chief + 1 ps + 3 workers; worker 2 is preempted at 30 s, back at 40 s.
     result = launch(["train_ps.py"], num_workers=3, num_ps=1, preempt="30:2+10")
-    # A notice to worker 1 at 20 s (SIGTERM; SIGKILL 30 s later if it still runs): the
-    # workers save and exit with RESTART_EXIT_CODE, and the cluster starts again.
-    result = launch(["train.py"], num_workers=2, preempt="20:1/term", grace=30)
+    # A notice to worker 1 at 20 s (SIGTERM; SIGKILL `grace` = 30 s later if it still runs):
+    # the workers save and exit with RESTART_EXIT_CODE, and the cluster starts again.
+    result = launch(["train.py"], num_workers=2, preempt="20:1/term")
 """
 
 import dataclasses
@@ -49,8 +49,8 @@ from tf_hetbatch.launch.cpu_caps import CAP_METHODS, make_caps
 from tf_hetbatch.launch.schedule import (Cap, CapChange, Preemption, parse_cpus,
                                          parse_preemptions, parse_schedule, validate_cpus,
                                          validate_preemptions, validate_schedule)
-from tf_hetbatch.launch.supervisor import (PreemptionPlan, TaskSpec, WorkerExit, run_attempt,
-                                           signal_name)
+from tf_hetbatch.launch.supervisor import (DEFAULT_GRACE_S, PreemptionPlan, TaskSpec,
+                                           WorkerExit, run_attempt, signal_name)
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def launch(script_argv: Sequence[str], num_workers: int,
            max_restarts: int = 0, cap_method: str = "auto",
            period_ms: Optional[float] = None, timeout: Optional[float] = None,
            threads: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
-           python: Optional[str] = None, grace: float = 3.0,
+           python: Optional[str] = None, grace: float = DEFAULT_GRACE_S,
            stdout: Optional[IO[str]] = None, stderr: Optional[IO[str]] = None,
            handle_signals: bool = True, num_ps: int = 0,
            preempt: Union[str, Sequence[Preemption], None] = None,
@@ -166,7 +166,10 @@ def launch(script_argv: Sequence[str], num_workers: int,
         python: interpreter for ``.py`` scripts and the default server; default
             ``sys.executable``.
         grace: seconds between SIGTERM and SIGKILL when stopping tasks, and after a
-            preemption notice (``/term``). Default 3.
+            preemption notice (``/term``). Default 30 (``supervisor.DEFAULT_GRACE_S``): a
+            tf_hetbatch worker's save and exit on a notice took up to 7.5 s here, and 30 s
+            is Kubernetes' default ``terminationGracePeriodSeconds``. Tasks that exit sooner
+            are not waited for.
         stdout, stderr: where the ``[worker i] ``-prefixed lines go (``[chief] ``,
             ``[ps i] `` too with parameter servers); default sys.stdout / sys.stderr at
             call time.

@@ -7,7 +7,7 @@ Also installed as ``tf-hetbatch-launch``. Examples::
     tf-hetbatch-launch --workers 2 --cpus 0.8,0.8 --schedule "30:1=0.2;60:1=0.8" train.py
     tf-hetbatch-launch --workers 2 --max-restarts 3 --timeout 600 train.py
     tf-hetbatch-launch --workers 2 --preempt 60:1 --max-restarts 1 train.py
-    tf-hetbatch-launch --workers 2 --preempt 60:1/term --grace 30 train.py   # with notice
+    tf-hetbatch-launch --workers 2 --preempt 60:1/term train.py   # a notice (SIGTERM)
 
     # ParameterServerStrategy: the chief runs train_ps.py; 1 ps and 3 workers run
     # `python -m tf_hetbatch.launch.server`. Worker 2 is preempted at 30 s and back at 45 s.
@@ -28,6 +28,7 @@ from typing import List, Optional
 from tf_hetbatch.launch import launch
 from tf_hetbatch.launch.cpu_caps import CAP_METHODS
 from tf_hetbatch.launch.schedule import parse_cpus, parse_preemptions, parse_schedule
+from tf_hetbatch.launch.supervisor import DEFAULT_GRACE_S
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,9 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="set TF_NUM_INTEROP_THREADS, TF_NUM_INTRAOP_THREADS, OMP_NUM_THREADS "
                         "(with --ps, worker tasks get at least 2 inter-op threads)")
-    p.add_argument("--grace", type=float, default=3.0, metavar="SECONDS",
+    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                    help="seconds between SIGTERM and SIGKILL when stopping, and after a "
-                        "/term preemption notice (default 3)")
+                        "/term preemption notice (default %(default)g: a tf_hetbatch "
+                        "worker's save and exit on a notice took up to 7.5 s, and 30 s is "
+                        "Kubernetes' default terminationGracePeriodSeconds; tasks that exit "
+                        "sooner are not waited for)")
     p.add_argument("-q", "--quiet", action="store_true", help="only warnings from the launcher")
     p.add_argument("script", help="training script (.py, or any executable)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")

@@ -35,6 +35,14 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _KILL_WAIT_S = 5.0
+# The default grace period: seconds from a SIGTERM (a preemption notice, or stopping the
+# tasks) to the SIGKILL. A tf_hetbatch worker given a notice saves at a step agreed with the
+# others and exits: its last worker exited 2.2-7.5 s after the SIGTERM (2 and 3 workers,
+# measured on 2 shared CPUs), so the former 3 s could end a rehearsed notice in a SIGKILL,
+# counted as a failure. 30 s leaves 4x that, and is Kubernetes' default
+# terminationGracePeriodSeconds: a rehearsal here gives a worker the time a pod gets. Tasks
+# that exit on the SIGTERM are not waited for: the wait ends once their process groups are gone.
+DEFAULT_GRACE_S = 30.0
 # After a task exited with RESTART_EXIT_CODE, how long the other tasks (which saved at the
 # same step, or are saving) get to exit by themselves before the attempt ends anyway.
 RESTART_EXIT_WAIT_S = 60.0
