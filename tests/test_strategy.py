@@ -229,25 +229,6 @@ def test_empty_replica_with_plain_batch_norm_is_refused(cpus):
     assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
-def test_custom_train_step_without_scale_loss_is_refused(cpus):
-    class NoScale(keras.Sequential):
-        def train_step(self, data):
-            x, y = data
-            with tf.GradientTape() as tape:
-                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
-            grads = tape.gradient(loss, self.trainable_variables)
-            self.optimizer.apply(grads, self.trainable_variables)
-            return {"loss": loss}
-
-    strategy = hb.HeteroMirroredStrategy(cpus[:2])
-    with strategy.scope():
-        model = NoScale([keras.Input((8,)), keras.layers.Dense(1)])
-        model.compile("sgd", "mse")
-    x, y = regression_data(n=64)
-    with pytest.raises(ValueError, match="scale_loss"):
-        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-
-
 def test_steps_per_execution_with_data_distributed_by_hand_is_refused_clearly(cpus):
     # Keras's own loops get the keras#19246 workaround; a dataset the user distributed
     # bypasses the strategy's hook, so the step refuses it instead of failing deep in TF.

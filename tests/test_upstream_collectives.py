@@ -40,9 +40,8 @@ def test_a_second_multi_worker_strategy_with_peers_is_warned_of(caplog):
                          ids=["keras_train_step", "own_train_step"])
 def test_loss_scale_optimizer_checks_only_the_first_replica_upstream(cpus, model_class):
     """Keras's LossScaleOptimizer applies an overflowed step if replica 0 did not overflow.
-    Ours skips it on every replica: Keras's own train step checks the summed gradients
-    (`weighting.finish_step`), any other step agrees on a flag
-    (`collectives.agree_on_finite_gradients`)."""
+    Ours skips it on every replica: every step applies gradients summed across replicas
+    first (`updates.adapt_optimizer`), so every replica checks the same sums."""
     x, y = regression_data(n=32)
     x[16:] *= 1e30  # only the second replica's half overflows
 

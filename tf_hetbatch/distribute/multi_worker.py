@@ -7,8 +7,9 @@ import tensorflow as tf
 
 from tf_hetbatch.core import _validate
 from tf_hetbatch.distribute import clean_exit
-from tf_hetbatch.distribute import weighting
-from tf_hetbatch.distribute.strategy import HeteroMixin, weighting_amount
+from tf_hetbatch.distribute import step_run
+from tf_hetbatch.distribute import updates
+from tf_hetbatch.distribute.strategy import HeteroMixin
 from tf_hetbatch.distribute._upstream import collectives, keras_callers
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
 
     Keras 3 `fit` works without patching Keras: its two multi-worker crashes (a reduce of the
     data batch in its symbolic build, and axis=0 reduces of scalar logs) pass through this
-    strategy's `reduce`, which handles them (see `_upstream.keras_callers`).
+    strategy's `reduce`, which handles them (see `_compat`).
 
     Args:
         cluster_resolver: as for `tf.distribute.MultiWorkerMirroredStrategy`.
@@ -98,20 +99,23 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
     def _is_chief(self):
         return bool(self.extended.should_checkpoint)
 
-    def _step_total(self, data, mode):
-        # Every worker's pipeline saw the whole global batch and kept its totals for the step
-        # it is trained in: no collective before the step's compute (a worker waiting in one
-        # for a slower worker would count that wait as its own work, see timing.py). Sample
-        # weights made by per-sample maps that run after the split are known per worker only:
-        # their global sum takes an all-reduce (only for a `mean_with_sample_weight` loss).
-        if mode == weighting.SAMPLE_WEIGHT and not self._weights_in_pipeline:
-            amounts = self.run(lambda d: weighting_amount(d, mode), args=(data,))
-            return self.reduce(tf.distribute.ReduceOp.SUM, amounts, axis=None)
+    def _step_totals(self, data, kind):
+        # Training: every worker's pipeline saw the whole global batch and kept its totals for
+        # the step it is trained in, so no collective runs before the step's compute (a worker
+        # waiting in one for a slower worker would count that wait as its own work, see
+        # timing.py). Sample weights made by per-sample maps that run after the split are
+        # known per worker only, and evaluation batches are not recorded: there each replica's
+        # amounts are summed in a small all-reduce at the step's start.
+        if kind == "test_step" or (
+                not self._weights_in_pipeline and step_run.has_sample_weight(
+                    self.experimental_local_results(data)[0])):
+            return lambda samples, weight: tuple(
+                updates.sum_across_replicas([samples, weight]))
         inputs = [t for local in self.experimental_local_results(data)
                   for t in tf.nest.flatten(local) if isinstance(t, tf.Tensor)]
         with tf.control_dependencies(inputs):  # the pipeline wrote them when producing these
             totals = self._allocation.step_totals()
-        return totals[1] if mode == weighting.SAMPLE_WEIGHT else totals[0]
+        return totals[0], totals[1]
 
     def _gather_local_rows(self, local_values):
         # An all-reduce SUM of a [K, n] table where each replica fills its own row: one small
@@ -207,8 +211,7 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
                 return value
             return super().reduce(reduce_op, value, None)
         if axis is None and keras_callers.is_data_batch_reduce(self, reduce_op, value):
-            return tf.nest.map_structure(
-                lambda v: keras_callers.largest_local_batch(self, v), value)
+            return tf.nest.map_structure(lambda v: keras_callers.largest_local_batch(self, v), value)
         return super().reduce(reduce_op, value, axis)
 
 

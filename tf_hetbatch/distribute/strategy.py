@@ -15,10 +15,11 @@ from tf_hetbatch.distribute import device_peaks
 from tf_hetbatch.distribute import input_split
 from tf_hetbatch.distribute import input_work
 from tf_hetbatch.distribute import iterator_release
+from tf_hetbatch.distribute import step_run
 from tf_hetbatch.distribute import timing
 from tf_hetbatch.distribute import weighting
 from tf_hetbatch.distribute._upstream import (collectives, iterators, keras_callers,
-                                             keras_trainer, metrics, tf_data)
+                                              keras_trainer, tf_data)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class HeteroMixin:
         self._timing = timing.TimingAccumulators(
             self, self.num_local_replicas, from_release=self._time_from_release()
         )
+        self._steps = step_run.StepRunner(self)
 
     # ----------------------------------------------------------------- the split ---------------
     @property
@@ -114,7 +116,7 @@ class HeteroMixin:
             sizes, self.num_replicas_in_sync, self._data_global_batch
         )
         if self._needs_nonempty_replicas:
-            _check_nonempty_sizes(sizes)
+            step_run.check_nonempty_sizes(sizes)
         self._apply_batch_sizes(sizes)
 
     def _apply_batch_sizes(self, sizes):
@@ -367,96 +369,42 @@ class HeteroMixin:
 
     # ----------------------------------------------------------------- the step ----------------
     def run(self, fn, args=(), kwargs=None, options=None):
-        """As `tf.distribute.Strategy.run`; Keras train/test steps get weights and global logs.
+        """As `tf.distribute.Strategy.run`, with exact weights, timing and global logs.
 
-        For a Keras model's `train_step`, each replica's loss is weighted so the update equals
-        one device on the whole global batch (see `weighting`), and the replica's
-        compute time is recorded. For `train_step` and `test_step`, the returned metric values
-        are the true global running means (the stock strategy averages the replicas' local
-        means, which is biased under uneven batches). For Keras's own `train_step` the metric
-        sums travel with the gradients in the step's one all-reduce (`weighting.finish_step`);
-        for any other, in a second one after the step. Any other `fn` runs unchanged: custom
-        loops get exact gradients by scaling the loss with the global batch size, e.g.
-        `tf.nn.compute_average_loss(per_example_loss, global_batch_size=B)`.
+        Every replica's loss is weighted where Keras scales it for distribution (the model's
+        `compute_loss`, the `keras.losses.Loss` objects the step's model holds), so the update
+        equals one device's on the whole global batch, for Keras's own `train_step`, a custom
+        `train_step` written as Keras's guide teaches (with any number of optimizers the model
+        holds) and custom training loops (see `weighting`); loss scalings that divide by the
+        replica count and cannot be weighted are refused when the step is traced. The
+        replica's compute time is recorded for `read_replica_times`, and every log that is a
+        metric's `result()` is replaced by its true global value (see `step_run`).
         """
-        model, kind = keras_callers.keras_model_of_step(fn)
-        if model is None:
-            return super().run(fn, args=args, kwargs=kwargs, options=options)
-        keras_trainer.check_steps_per_execution(model)
-        training = kind == "train_step"
-        data = args[0] if args else None
-        mode, total = weighting.NONE, None
-        if training:
-            weighting.adapt_optimizer(model.optimizer)
-            mode = weighting.weighting_mode(model)
-            if not _all_distributed(data):
-                mode = weighting.NONE  # the same data on every replica: nothing to weight
-            if mode != weighting.NONE:
-                total = self._step_total(data, mode)
-        check_nonempty = training and _has_local_batch_norm(model)
-        if check_nonempty:
-            self._needs_nonempty_replicas = True
-            if self.batch_sizes is not None:
-                _check_nonempty_sizes(self.batch_sizes)
-        accumulators = self._timing if training else None
-        # Keras's own train step: its logs ride on the gradients' all-reduce (weighting.finish_step)
-        carry_logs = training and keras_trainer.is_keras_own_train_step(fn)
-        logs_global = []
+        return self._steps.run(fn, args, kwargs, options, super().run)
 
-        def replica_fn(*replica_args, **replica_kwargs):
-            weight = None
-            if mode != weighting.NONE:
-                weight = self._replica_weight(weighting_amount(replica_args[0], mode), total)
-            # The step starts when this replica's inputs are there. The stamp gates nothing:
-            # the replica's work starts with its inputs, not after the stamp (see _start_stamp).
-            replica_args, start_time, samples = _start_stamp(replica_args, check_nonempty)
-            step = weighting.ReplicaStep(
-                weight=weight, start_time=start_time, samples=samples, timing=accumulators,
-                carry_logs=carry_logs,
-            )
-            with weighting.replica_step(step):
-                outputs = fn(*replica_args, **replica_kwargs)
-                if carry_logs:
-                    outputs, is_global = weighting.finish_step(step, model, outputs)
-                    logs_global.append(is_global)
-            if step.gradients_applied and not step.loss_scaled:
-                raise ValueError(
-                    f"{type(model).__name__}.train_step applied gradients without calling "
-                    "`self.optimizer.scale_loss(loss)`, so its replicas' gradients cannot be "
-                    "weighted by their batch sizes and training would silently differ from one "
-                    "device on the global batch. Fix: in train_step, compute gradients of "
-                    "`loss = self.optimizer.scale_loss(loss)` (as keras.Model.train_step does)."
-                )
-            return outputs
-
-        outputs = super().run(replica_fn, args=args, kwargs=kwargs, options=options)
-        if training:
-            with tf.control_dependencies(
-                [t for t in tf.nest.flatten(self.experimental_local_results(outputs))
-                 if isinstance(t, tf.Tensor)]
-            ):
-                self._allocation.count_trained_step()
-        if logs_global and all(logs_global):  # the same global values on every replica
-            return tf.nest.map_structure(
-                lambda v: self.experimental_local_results(v)[0] if _is_distributed(v) else v,
-                outputs)
-        # Within a multi-step loop only the last step's logs are read: they are made global
-        # once, after the loop (`keras_trainer.deferred_global_logs`).
-        return self._logs(model, outputs, reduce=not keras_trainer.defer_global_logs())
-
-    def _step_total(self, data, mode):
-        """Cross-replica context: the step's total amount (samples or sample weight).
-
-        On one host it is the sum over the local replicas' data, at no communication cost
-        (several workers read it from their pipelines, see the subclass).
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas in sync (as stock). Read while a step is traced, it tells the
+        strategy that the step divides a loss by it (see `weighting.check_replica_count_read`).
         """
-        return tf.add_n(
-            [weighting_amount(d, mode) for d in self.experimental_local_results(data)]
-        )
+        weighting.check_replica_count_read(weighting.current_step())
+        return super().num_replicas_in_sync
 
-    def _replica_weight(self, amount, total):
-        """Replica context: K * lambda_k, replica k's loss weight (Keras already divides by K)."""
-        return tf.math.divide_no_nan(float(self.num_replicas_in_sync) * amount, total)
+    def _step_totals(self, data, kind):
+        """Cross-replica context: the step's total samples and sample weight, as a pair of
+        tensors or a replica-context function that returns them.
+
+        On one host the sum over the local replicas' data, at no communication cost (several
+        workers read it from their pipelines, see the subclass).
+        """
+        amounts = [step_run.amounts(d) for d in self.experimental_local_results(data)]
+        return tuple(tf.add_n(list(column)) for column in zip(*amounts))
+
+    def _note_local_batch_norm(self):
+        """A model with plain BatchNormalization trains: no replica may get 0 samples."""
+        self._needs_nonempty_replicas = True
+        if self.batch_sizes is not None:
+            step_run.check_nonempty_sizes(self.batch_sizes)
 
     def global_logs(self, model, outputs):
         """Cross-replica context: `outputs` of a Keras train/test step with each of `model`'s
@@ -464,28 +412,7 @@ class HeteroMixin:
         summed in one batch all-reduce; the stock strategy averages the replicas' local means,
         which is biased under uneven batches). Other entries and non-dict outputs are returned
         as they are."""
-        return self._logs(model, outputs, reduce=True)
-
-    def _logs(self, model, outputs, reduce):
-        if not isinstance(outputs, dict):
-            return outputs
-        local_values = [
-            t
-            for v in tf.nest.flatten(outputs)
-            for t in (self.experimental_local_results(v) if _is_distributed(v) else [v])
-            if isinstance(t, tf.Tensor)
-        ]
-        with tf.control_dependencies(local_values):
-            results = metrics.metric_results_in_one_reduce(self, model.metrics, reduce=reduce)
-            if results is None:
-                if not reduce:
-                    return outputs  # Keras reduces them, as it does the stock strategy's
-                results = model.get_metrics_result()
-        merged = dict(outputs)
-        for name, value in results.items():
-            if name in merged:
-                merged[name] = tf.convert_to_tensor(value)
-        return merged
+        return self._steps.global_logs(model, outputs)
 
     def reduce(self, reduce_op, value, axis):
         """As `tf.distribute.Strategy.reduce`; see `keras_callers.is_uneven_batch_reduce`."""
@@ -694,83 +621,3 @@ def hetero_strategy_of(model, user: str, synchronous: bool = False):
             "asynchronous training itself."
         )
     return strategy
-
-
-# --------------------------------------------------------------------- helpers ---------------
-def _is_distributed(value):
-    return isinstance(value, tf.distribute.DistributedValues)
-
-
-def _all_distributed(data):
-    flat = [t for t in tf.nest.flatten(data) if t is not None]
-    return bool(flat) and all(_is_distributed(t) for t in flat)
-
-
-def weighting_amount(data, mode):
-    """What replica k's weight is proportional to: its samples, or its summed sample weight."""
-    x, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    if mode == weighting.SAMPLE_WEIGHT and sample_weight is not None:
-        return tf.add_n(
-            [tf.reduce_sum(tf.cast(w, tf.float32)) for w in tf.nest.flatten(sample_weight)]
-        )
-    return tf.cast(input_split.batch_dim(x), tf.float32)
-
-
-_EMPTY_REPLICA_FIX = (
-    "Fix: use keras.layers.BatchNormalization(synchronized=True), give every replica at least "
-    "1 sample, or batch with drop_remainder=True so no short last batch leaves a replica empty."
-)
-
-
-def _check_nonempty_sizes(sizes):
-    if min(sizes) < 1:
-        raise ValueError(
-            "Every replica needs at least 1 sample: the model has plain BatchNormalization "
-            "layers, whose batch statistics are NaN on an empty batch. Received: "
-            f"batch_sizes={list(sizes)}. " + _EMPTY_REPLICA_FIX
-        )
-
-
-def _has_local_batch_norm(model):
-    return any(
-        isinstance(layer, keras.layers.BatchNormalization)
-        and not getattr(layer, "synchronized", False)
-        for layer in keras_callers.all_layers(model)
-    )
-
-
-def _start_stamp(replica_args, check_nonempty):
-    """Replica context: (args, the time this replica's inputs are there, its number of samples).
-
-    The stamp depends on the inputs only and nothing depends on it but the timing record, so it
-    adds no barrier to the step: gating the replica's work on the stamp, or on all replicas'
-    inputs, cost several percent of a small model's step on 2 cores. The executor runs the
-    stamp as soon as the inputs are ready (a cheap op, run inline), i.e. when the work can start.
-    Only with plain BatchNormalization (`check_nonempty`) are the returned args gated, on a
-    check that the batch is not empty: the step then fails with a clear message before any of
-    its work runs.
-    """
-    tensors = [
-        t for t in tf.nest.flatten(replica_args, expand_composites=True) if isinstance(t, tf.Tensor)
-    ]
-    if not tensors:
-        return replica_args, tf.timestamp(), tf.constant(0, tf.int64)
-    data = replica_args[0] if replica_args else None
-    samples = input_split.batch_dim(keras.utils.unpack_x_y_sample_weight(data)[0])
-    if check_nonempty:
-        check = tf.debugging.assert_positive(
-            samples,
-            message=(
-                "A replica got an empty batch, and the model has plain "
-                "BatchNormalization layers, whose statistics are NaN on an empty batch. "
-                + _EMPTY_REPLICA_FIX
-            ),
-        )
-        with tf.control_dependencies([check]):
-            replica_args = tf.nest.map_structure(
-                lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t,
-                replica_args,
-                expand_composites=True,
-            )
-    with tf.control_dependencies(tensors):
-        return replica_args, tf.timestamp(), samples

@@ -1,83 +1,104 @@
-"""Exact weighting of uneven replica batches, and the per-replica timing hook.
+"""Exact weighting of uneven replica batches: at the loss, wherever Keras scales it.
 
-Keras scales each replica's loss by 1/K and sums the replicas' gradients, i.e. it averages the
-replicas' mean gradients: exact only when every replica has B/K samples. With uneven batches
-b_1..b_K, replica k's loss must be multiplied by K * b_k / B, so the summed gradient is the mean
-gradient over the whole global batch, exactly what one device computes on it.
+Under a `tf.distribute` strategy Keras divides every loss it reduces by the replica count K
+(`Loss.__call__` and `Model.compute_loss`, for the "sum_over_batch_size", "mean" and
+"mean_with_sample_weight" reductions) and the replicas' gradients are summed: the mean of the
+replicas' mean gradients, exact only when every replica has B/K samples. With uneven batches
+b_1..b_K, replica k's share of the global loss is lambda_k * loss_k, lambda_k = b_k / B (by
+sample-weight sums W_k / W for "mean_with_sample_weight"), so its Keras-scaled loss loss_k / K
+must be multiplied by K * lambda_k. Applied to the loss, before any gradient is taken, every
+linear thing downstream (SyncBatchNormalization's backward all-reduce, mixed-precision loss
+scaling, the gradient sum) sees correctly weighted values; a weight on finished gradients is
+not exact once SyncBatchNormalization has mixed the replicas. The shares come from the ACTUAL
+per-replica batches of each step, never from the allocation (which lags behind a switch).
 
-The weight is applied in the optimizer's `scale_loss`, which `model.train_step` calls on the
-loss before taking gradients: every linear thing downstream (regularisation losses, the
-SyncBatchNormalization backward all-reduce, LossScaleOptimizer unscaling, the gradient
-all-reduce) then sees correctly weighted values, while the loss tracker, updated before
-`scale_loss`, keeps reporting unweighted losses. The weights come from the ACTUAL per-replica
-batch shapes of each step, never from the allocation (which lags behind `set_batch_sizes`).
+Where the loss is scaled is where it is weighted (the "seams"), under a tf_hetbatch strategy
+only, on the instances a step uses:
+- the model's `compute_loss` (compiled losses, regularisers; also a subclass's override), whose
+  mode comes from the compiled losses' reductions;
+- every `keras.losses.Loss` object the model holds as an attribute (e.g. `self.loss_fn`), by
+  its own reduction ("sum" needs no weight, "none" is left to the caller).
+A seam called inside another (a compiled Loss inside `compute_loss`) is not weighted again.
 
-Which weight is exact depends on how the compiled loss reduces:
-- "sum_over_batch_size" (Keras's default) and "mean": lambda_k = b_k / B;
-- "mean_with_sample_weight" with sample weights: lambda_k = W_k / W, W_k the sum of replica k's
-  sample weights (its loss divides by W_k);
-- "sum": no weight at all; the summed replica sums are already the global sum.
-Sample weights with the default reduction need no special care (Keras divides by the sample
-count, so lambda_k = b_k / B stays exact). Masked sequence losses divide by the number of valid
-(unmasked) entries, which the strategy cannot see: they are weighted by samples, as close as the
-stock strategy gets with even batches, not exact.
+What the step sees as the loss VALUE depends on who reads it. Keras's own train and test steps
+undo K themselves (`unscale_loss_for_distribution`) and weight the loss tracker by the batch
+size: they get Keras's value, and only the gradient is weighted. Any other step reads the value
+as it is (a `Mean` tracker updated with it, a returned log averaged over replicas): it gets
+K * lambda_k * loss_k, whose plain mean over the replicas is the global loss, as one device
+reports it (the stock strategy reports loss / K there). Value and gradient weights differ, so
+the seam returns `g * loss + stop_gradient((v - g) * loss)`.
 
-The hook is installed on ONE optimizer instance, the model's, when a tf_hetbatch strategy runs
-that model's train step; outside a tf_hetbatch replica step the adapted methods do exactly what
-the originals do. Installing it also wraps `apply`, to take the per-replica compute time when
-the local gradients are ready, before they are all-reduced.
-
-One all-reduce per step: in Keras's own `train_step` (`ReplicaStep.carry_logs`) the optimizer's
-`apply` only holds the gradients; at the end of the step (`finish_step`) one all-reduce sums the
-gradients together with every metric variable (the loss's total and count, each metric's), the
-update is applied from the summed gradients (the optimizer's own all-reduce passes them on) and
-the step's logs are computed from the sums: true global means at no second collective. Keras's
-`train_step` does nothing after `apply` but update and read the metrics, so holding the update
-to the end of the step changes nothing else. Gradient clipping then acts on the global
-gradient, as on one device (stock Keras clips each replica's local gradient), and a
-LossScaleOptimizer's finite check sees the same summed gradients on every replica. Any other
-train step keeps Keras's order (the gradient all-reduce inside `apply`, the logs in a second
-all-reduce) and, for a LossScaleOptimizer, the replicas agree on skipping an overflowed step
-(see `collectives.agree_on_finite_gradients`).
+Anything else that divides a loss by the replica count assumes equal batches and cannot be
+weighted: `tf.nn.compute_average_loss` without `global_batch_size`, and a Keras loss the model
+does not hold. The strategy sees them read `num_replicas_in_sync` while a step is traced and
+refuses them there (`check_replica_count_read`), naming the fix. A loss that is not divided by
+the replica count at all (`tf.nn.compute_average_loss(..., global_batch_size=B)`, a "sum") is
+summed across replicas as it is: exact when it is scaled by the global batch, as TensorFlow's
+custom-loop guide teaches. Masked losses divide by their valid entries, which the strategy
+cannot see: they are weighted by samples, not exactly.
 """
 
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import keras
 import tensorflow as tf
+from tf_hetbatch.distribute._upstream import keras_callers, keras_losses
 
-from tf_hetbatch.distribute._upstream import collectives, metrics
 
 _local = threading.local()
 
-BATCH = "batch"
-SAMPLE_WEIGHT = "sample_weight"
-NONE = "none"
+BATCH = "batch"  # divided by the sample count and by K: weight by samples
+SAMPLE_WEIGHT = "sample_weight"  # divided by the sample-weight sum and by K: by weight sums
+SUM = "sum"  # not divided: already the replica's share of the global sum
+UNREDUCED = "unreduced"  # per-sample values: the caller reduces them
+NONE = SUM  # a step whose loss needs no weight
 
 _MODE_OF_REDUCTION = {
     "sum_over_batch_size": BATCH,
     "mean": BATCH,
     "mean_with_sample_weight": SAMPLE_WEIGHT,
-    "sum": NONE,
+    "sum": SUM,
+    "none": UNREDUCED,
+    None: UNREDUCED,
 }
+_SCALED_BY_KERAS = (BATCH, SAMPLE_WEIGHT)
 
 
 @dataclasses.dataclass
 class ReplicaStep:
-    """What one replica's train step needs from the strategy (trace time, per replica thread)."""
+    """What one replica's step needs from the strategy (trace time, per replica thread)."""
 
-    weight: Optional[tf.Tensor]
-    start_time: Optional[tf.Tensor]
-    samples: Optional[tf.Tensor]
+    num_replicas: int
+    # mode -> lambda_k (this replica's share of the global batch), or None: every replica got
+    # the same data (nothing distributed), lambda_k = 1 / K.
+    shares: Optional[Dict[str, tf.Tensor]] = None
+    has_sample_weight: bool = False
+    start_time: Optional[tf.Tensor] = None
+    samples: Optional[tf.Tensor] = None
     timing: Any = None
-    carry_logs: bool = False  # Keras's own train step: one all-reduce at its end (finish_step)
-    loss_scaled: bool = False
+    carry_logs: bool = False  # Keras's own train step: one all-reduce at its end (`updates`)
     gradients_applied: bool = False
     # (local gradients, the function that applies them once summed), held by `apply`
     held: Optional[Tuple[list, Callable[[list], Any]]] = None
+    # While the user's step function runs (not the strategy's own code around it).
+    in_user_code: bool = False
+    seam_depth: int = 0
+    # Keras-scale reads still expected from Loss objects whose values a seam weighted.
+    pending_scale_reads: int = 0
+    # id(tensor returned by a metric's result()) -> (tensor, metric, path in the result), for
+    # the global logs.
+    metric_results: Dict[int, Tuple[tf.Tensor, Any, tuple]] = dataclasses.field(
+        default_factory=dict)
+
+    def share(self, mode):
+        if self.shares is None:
+            return tf.constant(1.0 / self.num_replicas)
+        if mode == SAMPLE_WEIGHT and self.has_sample_weight:
+            return self.shares[SAMPLE_WEIGHT]
+        return self.shares[BATCH]
 
 
 def current_step() -> Optional[ReplicaStep]:
@@ -94,8 +115,19 @@ def replica_step(step: ReplicaStep):
         _local.step = previous
 
 
+@contextlib.contextmanager
+def user_code(step: ReplicaStep):
+    """While the user's step function runs: the replica-count reads it makes are checked."""
+    step.in_user_code = True
+    try:
+        yield
+    finally:
+        step.in_user_code = False
+
+
 def weighting_mode(model) -> str:
-    """How replica losses must be weighted for `model`'s compiled loss(es): BATCH, SAMPLE_WEIGHT or NONE.
+    """How `model.compute_loss` must be weighted for the compiled loss(es): BATCH, SAMPLE_WEIGHT
+    or SUM.
 
     Raises:
         ValueError: if the model's losses mix reductions that need different weights.
@@ -106,7 +138,8 @@ def weighting_mode(model) -> str:
         reduction = getattr(loss, "reduction", "sum_over_batch_size") if isinstance(
             loss, keras.losses.Loss
         ) else "sum_over_batch_size"
-        modes.setdefault(_MODE_OF_REDUCTION.get(reduction, BATCH), []).append(
+        mode = _MODE_OF_REDUCTION.get(reduction, BATCH)
+        modes.setdefault(SUM if mode == UNREDUCED else mode, []).append(
             getattr(loss, "name", None) or getattr(loss, "__name__", str(loss))
         )
     if not modes:
@@ -121,109 +154,239 @@ def weighting_mode(model) -> str:
     return next(iter(modes))
 
 
-def adapt_optimizer(optimizer):
-    """Installs the weighting and timing hooks on this one optimizer instance (idempotent)."""
-    if optimizer is None or getattr(optimizer, "_tf_hetbatch_adapted", False):
-        return
-    original_scale_loss = optimizer.scale_loss
-    original_apply = optimizer.apply
+# --------------------------------------------------------------------- the weight ------------
+def weigh_loss(step: ReplicaStep, loss, mode: str, keras_value: bool):
+    """The seam's output `loss` (as Keras computed it) weighted for this replica.
 
-    def scale_loss(loss):
-        loss = original_scale_loss(loss)
+    Args:
+        step: the replica's step.
+        loss: a tensor (a scalar from a reduction, per-sample values before one).
+        mode: how Keras reduced it (BATCH, SAMPLE_WEIGHT, SUM; UNREDUCED is left alone).
+        keras_value: True where Keras's own step reads the value (it undoes K itself): only
+            the gradient is weighted; else the value is made the one whose mean over the
+            replicas is the global loss.
+    """
+    if mode == UNREDUCED or not isinstance(loss, tf.Tensor) or not loss.dtype.is_floating:
+        return loss
+    num = float(step.num_replicas)
+    if mode in _SCALED_BY_KERAS:
+        gradient_weight = num * tf.cast(step.share(mode), loss.dtype)
+    else:
+        gradient_weight = tf.constant(1.0, loss.dtype)
+    value_weight = tf.constant(1.0, loss.dtype) if keras_value else num * gradient_weight
+    weighted = gradient_weight * loss + tf.stop_gradient((value_weight - gradient_weight) * loss)
+    return keras_losses.keep_keras_mask(weighted, loss)
+
+
+@contextlib.contextmanager
+def _seam(step):
+    step.seam_depth += 1
+    try:
+        yield step.seam_depth == 1
+    finally:
+        step.seam_depth -= 1
+
+
+# --------------------------------------------------------------------- the seams -------------
+def adapt_compute_loss(model) -> None:
+    """Weights `model.compute_loss` in our replica steps (an instance attribute; idempotent)."""
+    if getattr(model, "_tf_hetbatch_compute_loss", None) is not None:
+        return
+    original = model.compute_loss
+
+    def compute_loss(*args, **kwargs):
         step = current_step()
-        if step is not None:
-            step.loss_scaled = True
-            if step.weight is not None:
-                loss = loss * tf.cast(step.weight, loss.dtype)
+        if step is None:
+            return original(*args, **kwargs)
+        keras_value = keras_callers.called_from_keras_own_step()
+        with _seam(step) as outermost:
+            loss = original(*args, **kwargs)
+            if outermost:
+                loss = weigh_loss(step, loss, weighting_mode(model), keras_value)
         return loss
 
-    def apply(grads, trainable_variables=None):
-        step = current_step()
-        if step is not None and not step.gradients_applied:
-            step.gradients_applied = True
-            if step.timing is not None:
-                grads = _timed_gradients(step, list(grads))
-            if step.carry_logs:
-                step.held = (list(grads), lambda summed: _apply_summed(
-                    optimizer, original_apply, summed, trainable_variables))
-                return None  # applied by finish_step, after the step's one all-reduce
-            if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-                grads = collectives.agree_on_finite_gradients(list(grads))
-        return original_apply(grads, trainable_variables)
-
-    def on_reduced(grads_and_vars):
-        step = current_step()
-        if step is None or step.timing is None:
-            return grads_and_vars
-        return step.timing.record_release(grads_and_vars)
-
-    collectives.wrap_gradient_all_reduce(optimizer, on_reduced)
-    scale_loss.__doc__ = original_scale_loss.__doc__
-    apply.__doc__ = original_apply.__doc__
-    optimizer.scale_loss = scale_loss
-    optimizer.apply = apply
-    optimizer._tf_hetbatch_adapted = True
+    compute_loss.__doc__ = original.__doc__
+    compute_loss.__wrapped__ = original
+    model.compute_loss = compute_loss
+    model._tf_hetbatch_compute_loss = original
 
 
-def _apply_summed(optimizer, original_apply, summed, trainable_variables):
-    with collectives.gradients_already_reduced(optimizer):
-        return original_apply(summed, trainable_variables)
+def adapt_loss(loss_object) -> None:
+    """Weights a `keras.losses.Loss` the model holds, by its reduction (idempotent).
 
-
-def finish_step(step: ReplicaStep, model, outputs):
-    """Replica context, at the end of Keras's own train step: (outputs, logs_are_global).
-
-    The held gradients and the metric variables are summed across replicas in one all-reduce
-    (one per dtype present: a pack is one concatenated tensor), the update is applied from the
-    summed gradients, and every metric result in `outputs` is replaced by its global value.
-    If a metric variable cannot be summed (not SUM-on-read), only the gradients are, and the
-    logs are left to the strategy's usual reduce (logs_are_global False)."""
-    if step.held is None:
-        return outputs, False  # no gradients (no trainable weights): the usual logs reduce
-    grads, apply_summed = step.held
-    metric_values = metrics.summable_metric_variables(model.metrics)
-    locals_ = [tf.identity(v) for v in metric_values] if metric_values is not None else []
-    dense = [g for g in grads if g is not None]
-    summed = _sum_across_replicas(dense + locals_)
-    summed_grads, sums = summed[:len(dense)], summed[len(dense):]
-    if step.timing is not None:
-        summed_grads = step.timing.record_release(summed_grads)
-    summed_grads = iter(summed_grads)
-    apply_summed([None if g is None else next(summed_grads) for g in grads])
-    if metric_values is None:
-        return outputs, False
-    merged = dict(outputs)
-    for name, value in metrics.metric_results_from_sums(model.metrics, sums).items():
-        if name in merged:
-            merged[name] = tf.convert_to_tensor(value)
-    return merged, True
-
-
-def _sum_across_replicas(values):
-    """Replica context: `values` summed across all replicas, one all-reduce per dtype."""
-    ctx = tf.distribute.get_replica_context()
-    by_dtype = {}
-    for i, v in enumerate(values):
-        by_dtype.setdefault(v.dtype, []).append(i)
-    out = [None] * len(values)
-    launchers = collectives.collective_launchers(ctx.strategy)
-    with collectives.instance_keys_from_values(launchers, values):  # resolved once, not per step
-        for indices in by_dtype.values():
-            for i, r in zip(indices, ctx.all_reduce(tf.distribute.ReduceOp.SUM,
-                                                    [values[i] for i in indices])):
-                out[i] = r
-    return out
-
-
-def _timed_gradients(step, grads):
-    """Records the replica's compute time once its local gradients are ready.
-
-    The record is a stateful op the step runs anyway; the gradients do not wait for it, so
-    timing adds no barrier before the all-reduce.
+    `Loss.__call__` calls `self.call` for the per-sample values and then reduces them; the
+    weight is a per-replica scalar, so weighting the per-sample values is weighting the reduced
+    loss (any reduction is linear in them). Keras then divides by K, reading the replica count:
+    that read belongs to this seam (`pending_scale_reads`).
     """
-    ready = [g for g in tf.nest.flatten(grads, expand_composites=True) if g is not None]
-    with tf.control_dependencies(ready):
-        end_time = tf.timestamp()
-    start_time = step.timing.step_start(step.start_time)
-    step.timing.record(end_time - start_time, step.samples)
-    return grads
+    if getattr(loss_object, "_tf_hetbatch_call", None) is not None:
+        return
+    original = loss_object.call
+    mode = _MODE_OF_REDUCTION.get(getattr(loss_object, "reduction", None), UNREDUCED)
+
+    def call(*args, **kwargs):
+        step = current_step()
+        if step is None or mode == UNREDUCED:
+            return original(*args, **kwargs)
+        keras_value = keras_callers.called_from_keras_own_step()
+        with _seam(step) as outermost:
+            values = original(*args, **kwargs)
+            if outermost:
+                values = tf.nest.map_structure(
+                    lambda v: weigh_loss(step, v, mode, keras_value), values)
+                if mode in _SCALED_BY_KERAS:
+                    step.pending_scale_reads += 1
+        return values
+
+    call.__doc__ = original.__doc__
+    loss_object.call = call
+    loss_object._tf_hetbatch_call = original
+
+
+def adapt_metric(metric) -> None:
+    """Records the tensors `metric.result()` returns in our replica steps, so the strategy can
+    replace them by the metric's global value (idempotent)."""
+    if getattr(metric, "_tf_hetbatch_result", None) is not None:
+        return
+    original = metric.result
+
+    def result(*args, **kwargs):
+        value = original(*args, **kwargs)
+        step = current_step()
+        if step is not None:
+            for path, t in _paths(value):
+                if isinstance(t, tf.Tensor):  # a container's entry stays its inner metric's
+                    step.metric_results.setdefault(id(t), (t, metric, path))
+        return value
+
+    result.__doc__ = original.__doc__
+    metric.result = result
+    metric._tf_hetbatch_result = original
+
+
+def _paths(value, prefix=()):
+    if isinstance(value, dict):
+        for key in value:
+            yield from _paths(value[key], prefix + (key,))
+    else:
+        yield prefix, value
+
+
+def check_replica_count_read(step: Optional[ReplicaStep]) -> None:
+    """Called when our strategy's `num_replicas_in_sync` is read: refuses the loss scalings that
+    divide by the replica count and cannot be weighted (see the module docs)."""
+    if step is None or not step.in_user_code:
+        return
+    reader = keras_losses.replica_count_reader()
+    if reader == keras_losses.TF_AVERAGE_LOSS:
+        raise ValueError(
+            "`tf.nn.compute_average_loss` without `global_batch_size` divides each replica's "
+            "loss by its own batch size times the replica count, which is wrong when replicas "
+            "get different batch sizes (a tf_hetbatch split), so training would silently "
+            "differ from one device on the global batch. Fix: pass the global batch size, "
+            "tf.nn.compute_average_loss(per_example_loss, global_batch_size=B) (B: the "
+            "dataset's batch size, sum(strategy.batch_sizes))."
+        )
+    if reader == keras_losses.KERAS_SCALE:
+        if step.pending_scale_reads > 0 or step.seam_depth > 0:
+            step.pending_scale_reads = max(step.pending_scale_reads - 1, 0)
+            return
+        raise ValueError(
+            "A Keras loss was computed in a tf_hetbatch step by an object the strategy cannot "
+            "see: Keras divides it by the replica count, which is exact only when every replica "
+            "gets the same batch size, so training would silently differ from one device on "
+            "the global batch. Fix: in a Model's train_step, compute the loss with "
+            "`self.compute_loss(...)` or with a keras.losses.Loss held by the model (e.g. "
+            "`self.loss_fn = keras.losses.MeanSquaredError()` in __init__ or compile); in a "
+            "custom training loop, create the loss with reduction=\"none\" and reduce it with "
+            "tf.nn.compute_average_loss(per_example_loss, global_batch_size=B)."
+        )
+
+
+# --------------------------------------------------------------------- a step's objects ------
+def step_objects(fn) -> Tuple[List[Any], List[Any], List[Any], List[Any]]:
+    """(models, optimizers, losses, metrics) a step function reaches.
+
+    A Keras model's bound train/test step reaches its model; any other function the objects
+    its closure holds and the globals its code names, and those of the functions found there
+    (a few levels: what TensorFlow's custom-loop guide writes). From each model: its
+    optimizer, its attributes (and the items of list, tuple and dict attributes: an optimizer
+    a `compile()` override keeps, a loss object, a metric tracker) and its metrics. Objects a
+    step reaches otherwise are not found: their losses are refused if they divide by the
+    replica count (`check_replica_count_read`).
+    """
+    found = _reachable(fn)
+    seen = {id(o) for o in found}
+    models = [o for o in found if isinstance(o, keras.Model)]
+    for model in models:
+        for value in [getattr(model, "optimizer", None), *vars(model).values()]:
+            for item in _items(value):
+                if id(item) not in seen:
+                    seen.add(id(item))
+                    found.append(item)
+    optimizers = [o for o in found if isinstance(o, keras.optimizers.Optimizer)]
+    losses = [o for o in found if isinstance(o, keras.losses.Loss)]
+    metrics = [o for o in found if isinstance(o, keras.metrics.Metric)]
+    for model in models:
+        metrics.extend(_leaf_metrics(getattr(model, "metrics", [])))
+    return models, optimizers, losses, list({id(m): m for m in metrics}.values())
+
+
+_SEARCH_DEPTH = 3  # functions through functions: a step, its loss helper, a lambda in it
+
+
+def _reachable(fn, depth=_SEARCH_DEPTH, visited=None):
+    visited = set() if visited is None else visited
+    if id(fn) in visited or depth == 0:
+        return []
+    visited.add(id(fn))
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, keras.Model):
+        return [owner]
+    fn = getattr(fn, "python_function", fn)  # a tf.function
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    values = [cell.cell_contents for cell in (fn.__closure__ or ()) if _filled(cell)]
+    globals_ = getattr(fn, "__globals__", {})
+    values += [globals_[name] for name in code.co_names if name in globals_]
+    found = []
+    for value in values:
+        found += _items(value)
+        if callable(value) and hasattr(getattr(value, "python_function", value), "__code__"):
+            found += _reachable(value, depth - 1, visited)
+    return list({id(o): o for o in found}.values())
+
+
+def _filled(cell):
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def _items(value):
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if _is_step_object(v)]
+    if isinstance(value, dict):
+        return [v for v in value.values() if _is_step_object(v)]
+    return [value] if _is_step_object(value) else []
+
+
+def _is_step_object(value):
+    return isinstance(value, (keras.Model, keras.optimizers.Optimizer, keras.losses.Loss,
+                              keras.metrics.Metric))
+
+
+def _leaf_metrics(metrics):
+    out = []
+    for metric in metrics:
+        inner = getattr(metric, "metrics", None)
+        if isinstance(inner, (list, tuple)) and inner and all(
+                isinstance(m, keras.metrics.Metric) for m in inner):
+            out.extend(_leaf_metrics(inner))
+        out.append(metric)
+    return out

@@ -49,41 +49,6 @@ def warn_if_second_multi_worker_strategy(num_workers: int) -> None:
             "(e.g. one worker process per run) and reuse it.")
 
 
-# --- LossScaleOptimizer checks only the first replica's gradients -------------------------------
-# Under tf.distribute, Keras's `LossScaleOptimizer._tf_apply` decides whether to apply or skip a
-# step from `check_finite` of the FIRST replica's local gradients, assuming (wrongly: they are
-# not all-reduced yet) that all replicas agree (keras-team/keras#18666 introduced the code, in
-# PR #18691). An overflow on another replica then writes inf/NaN into the weights. With uneven
-# batches the replicas overflow at different loss scales, so it bites often. Workaround, in the
-# optimizer hook installed under tf_hetbatch strategies only: the replicas all-reduce a
-# non-finite flag and, if any replica overflowed, every replica's gradients become NaN, so the
-# first replica's check sees it and the step is skipped everywhere, as it should be.
-def agree_on_finite_gradients(grads):
-    """In replica context: makes every replica's grads non-finite if any replica's are."""
-    ctx = tf.distribute.get_replica_context()
-    dense = [
-        t for g in grads if g is not None for t in tf.nest.flatten(g, expand_composites=True)
-        if t.dtype.is_floating
-    ]
-    if ctx is None or ctx.num_replicas_in_sync == 1 or not dense:
-        return grads
-    local_bad = tf.cast(
-        tf.logical_not(tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in dense])),
-        tf.float32,
-    )
-    any_bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, local_bad) > 0
-
-    def poison(t):
-        if not t.dtype.is_floating:
-            return t
-        return t * tf.where(any_bad, tf.constant(float("nan"), t.dtype), tf.constant(1, t.dtype))
-
-    return [
-        None if g is None else tf.nest.map_structure(poison, g, expand_composites=True)
-        for g in grads
-    ]
-
-
 # --- Where a replica is released from the gradient all-reduce ------------------------------------
 # A replica's time per step is measured from the moment the previous step's gradient all-reduce
 # released it to its next local gradients being ready: its own per-step work (Keras's step

@@ -179,3 +179,28 @@ def is_data_batch_reduce(strategy, reduce_op, value):
 # --- Every layer of a model, nested ones included (Keras has no public walk) -------------------
 def all_layers(model):
     return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+# --- Which code reads a loss in a Keras step (keras: trainers/..., backend/tensorflow) ---------
+# Keras's own `train_step` and `test_step` (TensorFlowTrainer, keras/src/backend/tensorflow/
+# trainer.py) multiply the loss `compute_loss` returns by the replica count for the loss
+# tracker and weight it by the batch size; any other step reads the loss as it is. The seams
+# in `weighting` ask whether Keras's own step called them (also through a subclass's
+# `super().train_step(data)`), by code object. Canary:
+# tests/test_upstream_keras_callers.py.
+def called_from_keras_own_step(max_depth=6):
+    """Whether Keras's own TensorFlowTrainer.train_step/test_step is on the stack (within
+    `max_depth` frames above the caller)."""
+    import sys
+
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    own = {TensorFlowTrainer.train_step.__code__, TensorFlowTrainer.test_step.__code__}
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if frame.f_code in own:
+            return True
+    return False

@@ -40,16 +40,17 @@ def metric_results_from_sums(metrics, sums):
     return results
 
 
-def metric_results_in_one_reduce(strategy, metrics, reduce=True):
-    """Cross-replica context: `model.get_metrics_result()` for `metrics`, with every variable
+def metric_results_of(strategy, metrics, reduce=True):
+    """Cross-replica context: {id(metric): its global `result()`} for `metrics`, every variable
     summed across replicas in one batch all-reduce; None (read them as Keras does) if a
-    variable is not a SUM-on-read distributed variable. With `reduce=False`, the same structure
-    from the first local replica's variables, at no communication."""
+    variable is not a SUM-on-read distributed variable. With `reduce=False`, the results of the
+    first local replica's variables, at no communication."""
     values = summable_metric_variables(metrics)
     if values is None:
         return None
     if reduce:
         values = strategy.extended.batch_reduce_to(
             tf.distribute.ReduceOp.SUM, [(d, d) for d in values])
-    return metric_results_from_sums(
-        metrics, [strategy.experimental_local_results(r)[0] for r in values])
+    sums = iter([strategy.experimental_local_results(r)[0] for r in values])
+    return {id(metric): metric.stateless_result([next(sums) for _ in metric.variables])
+            for metric in metrics}

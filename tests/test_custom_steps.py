@@ -1,0 +1,182 @@
+"""Custom train_steps as Keras's guide writes them, and custom training loops: exact or refused.
+
+Every variant trains under an uneven split exactly like one device on the global batches
+(weights, History and `evaluate`), and at the even split exactly like the stock strategy. The
+logs are what one device reports (the stock strategy reports a loss tracker fed with the
+replica-scaled loss at loss / K). A loss scaled by the replica count that the strategy cannot
+weight is refused when the step is traced.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import custom_models
+import tf_hetbatch as hb
+from helpers import max_weight_diff, stock_mirrored
+
+TOL = 1e-5
+SPLIT = [4, 12, 16]
+
+
+def _under(strategy, variant):
+    if strategy is None:
+        return custom_models.build(variant)
+    with strategy.scope():
+        return custom_models.build(variant)
+
+
+def _dataset(variant, n=160):
+    columns = custom_models.data(n, sample_weight=variant == "sample_weight")
+    return lambda: tf.data.Dataset.from_tensor_slices(columns).batch(32)
+
+
+def _train(strategy, variant, split=None, epochs=2):
+    model = _under(strategy, variant)
+    if split is not None:
+        strategy.set_batch_sizes(split)
+    history = model.fit(_dataset(variant)(), epochs=epochs, verbose=0).history
+    return model, history
+
+
+@pytest.mark.parametrize("variant", custom_models.VARIANTS)
+def test_guide_train_steps_under_an_uneven_split_equal_one_device(cpus, variant):
+    ref, ref_history = _train(None, variant)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    ours, history = _train(strategy, variant, SPLIT)
+    assert max_weight_diff(ref, ours) <= TOL  # 10 steps
+    assert history.keys() == ref_history.keys()
+    for key in ref_history:
+        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5)
+    times = strategy.read_replica_times()
+    np.testing.assert_array_equal(times.samples, np.array(SPLIT) * 10)
+    assert np.all(times.compute_seconds > 0)
+
+
+@pytest.mark.parametrize("variant", ["compute_loss", "two_optimizers"])
+def test_guide_train_steps_at_the_even_split_equal_the_stock_strategy(cpus, variant):
+    stock, _ = _train(stock_mirrored(cpus[:4]), variant)
+    ours, _ = _train(hb.HeteroMirroredStrategy(cpus[:4]), variant)
+    assert max_weight_diff(stock, ours) <= 1e-6
+
+
+def test_a_custom_test_step_evaluates_as_one_device(cpus):
+    x, y = custom_models.data(100, seed=5)
+    ref = custom_models.build("compute_loss")
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([4, 12, 16])
+    ours = _under(strategy, "compute_loss")
+    for batch in (50, 32):  # evaluation batches of any size, split in proportion
+        expected = ref.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
+        got = ours.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
+        assert got.keys() == expected.keys()
+        for key in expected:
+            assert got[key] == pytest.approx(expected[key], rel=1e-5), key
+
+
+def test_a_keras_loss_the_model_does_not_hold_is_refused_when_traced(cpus):
+    loss_fn = keras.losses.MeanSquaredError()  # not an attribute of the model
+
+    class Hidden(keras.Sequential):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, self(x, training=True))
+            self.optimizer.apply(tape.gradient(loss, self.trainable_variables),
+                                 self.trainable_variables)
+            return {"loss": loss}
+
+    strategy = hb.HeteroMirroredStrategy(cpus[:2])
+    with strategy.scope():
+        model = Hidden([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile("sgd")
+    before = model.get_weights()
+    with pytest.raises(ValueError, match="held by the model.*self.loss_fn"):
+        model.fit(*custom_models.data(64), batch_size=32, epochs=1, verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)  # refused before any step ran
+
+
+def _custom_loop(strategy, model, per_replica_loss, split=None, n=96, batch=32):
+    """TensorFlow's custom-loop guide: strategy.run of a replica step per global batch."""
+    x, y = custom_models.data(n)
+    if split is not None:
+        strategy.set_batch_sizes(split)
+    dist = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(batch))
+    optimizer = model.optimizer
+
+    def train_step(inputs):
+        features, labels = inputs
+        with tf.GradientTape() as tape:
+            loss = per_replica_loss(labels, model(features, training=True))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def distributed_train_step(inputs):
+        losses = strategy.run(train_step, args=(inputs,))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    return [float(distributed_train_step(batch)) for batch in dist]
+
+
+def _dense(strategy=None):
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        return model
+
+    if strategy is None:
+        return build()
+    with strategy.scope():
+        return build()
+
+
+def test_custom_loop_scaled_by_the_global_batch_is_exact_and_timed(cpus):
+    per_example = keras.losses.MeanSquaredError(reduction="none")
+
+    def loss(labels, predictions):
+        return tf.nn.compute_average_loss(per_example(labels, predictions), global_batch_size=32)
+
+    ref = _dense()
+    ref.fit(*custom_models.data(96), batch_size=32, epochs=1, shuffle=False, verbose=0)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    model = _dense(strategy)
+    _custom_loop(strategy, model, loss, SPLIT)
+    assert max_weight_diff(ref, model) <= TOL
+    times = strategy.read_replica_times()
+    np.testing.assert_array_equal(times.samples, np.array(SPLIT) * 3)
+    assert np.all(times.compute_seconds > 0) and np.all(times.steps == 3)
+
+
+def test_compute_average_loss_without_the_global_batch_is_refused_when_traced(cpus):
+    per_example = keras.losses.MeanSquaredError(reduction="none")
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    model = _dense(strategy)
+    before = model.get_weights()
+    with pytest.raises(ValueError, match="global_batch_size=B"):
+        _custom_loop(strategy, model,
+                     lambda labels, p: tf.nn.compute_average_loss(per_example(labels, p)), SPLIT)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_custom_loop_with_a_keras_loss_it_holds_is_weighted(cpus):
+    # A mean-reduced Keras loss object the step function reaches (here through its closure)
+    # is weighted like the model's own: exact, and its value's mean over replicas is the
+    # global loss.
+    loss_object = keras.losses.MeanSquaredError()
+    ref = _dense()
+    ref_history = ref.fit(*custom_models.data(96), batch_size=32, epochs=1, shuffle=False,
+                          verbose=0).history
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    model = _dense(strategy)
+    losses = _custom_loop(strategy, model, lambda labels, p: loss_object(labels, p), SPLIT)
+    assert max_weight_diff(ref, model) <= TOL
+    # SUM over the replicas of K * share * loss_k: K times the global mean.
+    assert np.mean(losses) / 3 == pytest.approx(ref_history["loss"][0], rel=1e-5)

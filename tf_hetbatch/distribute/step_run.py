@@ -1,0 +1,273 @@
+"""What a synchronous tf_hetbatch strategy does around each `strategy.run`.
+
+Keras's `fit`/`evaluate` and custom training loops call `strategy.run(step_fn, args)`; the
+strategy runs the step as the stock one does, and adds, per replica:
+- the loss weights (`weighting`): the step's optimizers, loss objects, metrics and models
+  (`weighting.step_objects`) are adapted once, and each replica's share of the global batch
+  comes from the actual batches of the step;
+- the replica's compute time (`timing`), from its inputs (or its release by the previous
+  all-reduce) to its local gradients;
+- the step's logs as true global means: every log that is a metric's `result()` is replaced
+  by the metric's global value, from all replicas' metric variables summed in one all-reduce
+  (Keras's own train step: in the gradients' all-reduce, `updates.finish_step`). The stock
+  strategy averages the replicas' local means, which is biased under uneven batches.
+A step that applies gradients counts as a trained step (the split's bookkeeping keys switches
+and resuming by it), so a custom loop should run one such step per global batch.
+"""
+
+import weakref
+from typing import Dict, Tuple
+
+import keras
+import tensorflow as tf
+
+from tf_hetbatch.distribute import input_split
+from tf_hetbatch.distribute import updates
+from tf_hetbatch.distribute import weighting
+from tf_hetbatch.distribute._upstream import keras_callers, keras_trainer, metrics
+
+
+class StepRunner:
+    """Runs steps for one strategy (it calls back `strategy._step_totals` and the stock run)."""
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        # model -> {path of a log in the step's outputs: (metric, path in its result)}, from
+        # the last trace of its step: the multi-step loop makes the last step's logs global
+        # after the loop (`global_logs`), where the traced tensors are gone.
+        self._log_paths = weakref.WeakKeyDictionary()
+
+    def run(self, fn, args, kwargs, options, stock_run):
+        strategy = self._strategy
+        model, kind = keras_callers.keras_model_of_step(fn)
+        if model is not None:
+            keras_trainer.check_steps_per_execution(model)
+        models, optimizers, losses, metrics = weighting.step_objects(fn)
+        updates.adapt_step_objects(models, optimizers, losses, metrics)
+        data = _step_data(args)
+        distributed = data is not None and _all_distributed(data)
+        training_step = kind == "train_step"
+        check_nonempty = training_step and _has_local_batch_norm(model)
+        if check_nonempty:
+            strategy._note_local_batch_norm()
+        totals = strategy._step_totals(data, kind) if distributed else None
+        carry_logs = training_step and keras_trainer.is_keras_own_train_step(fn)
+        steps, logs_global = [], []
+
+        def replica_fn(*replica_args, **replica_kwargs):
+            replica_args, start_time, samples = _start_stamp(replica_args, check_nonempty)
+            step = weighting.ReplicaStep(
+                num_replicas=strategy.num_replicas_in_sync,
+                shares=_shares(_step_data(replica_args), totals) if distributed else None,
+                has_sample_weight=has_sample_weight(_step_data(replica_args)),
+                start_time=start_time, samples=samples, timing=strategy._timing,
+                carry_logs=carry_logs,
+            )
+            steps.append(step)
+            with weighting.replica_step(step):
+                with weighting.user_code(step):
+                    outputs = fn(*replica_args, **replica_kwargs)
+                if carry_logs:
+                    outputs, is_global = updates.finish_step(step, model, outputs)
+                    logs_global.append(is_global)
+            return outputs
+
+        outputs = stock_run(replica_fn, args=args, kwargs=kwargs, options=options)
+        if any(step.gradients_applied for step in steps):
+            with tf.control_dependencies(_local_tensors(strategy, outputs)):
+                strategy._allocation.count_trained_step()
+        if logs_global and all(logs_global):  # the same global values on every replica
+            return tf.nest.map_structure(
+                lambda v: strategy.experimental_local_results(v)[0] if _is_distributed(v)
+                else v, outputs)
+        paths = _log_paths(strategy, outputs, steps)
+        if model is not None:
+            self._log_paths[model] = paths
+        if not paths:
+            return outputs
+        # Within a multi-step loop only the last step's logs are read: they are made global
+        # once, after the loop (`keras_trainer.deferred_global_logs`).
+        return _logs(strategy, outputs, paths, reduce=not keras_trainer.defer_global_logs())
+
+    def global_logs(self, model, outputs):
+        """Cross-replica context: `outputs` of `model`'s step with every metric result made its
+        global value (see the module docs); other entries as they are."""
+        paths = self._log_paths.get(model)
+        if not paths or not isinstance(outputs, dict):
+            return outputs
+        return _logs(self._strategy, outputs, paths, reduce=True)
+
+
+def _step_data(args):
+    """The data of a step: Keras passes one argument, a custom loop any number."""
+    if not args:
+        return None
+    return args[0] if len(args) == 1 else tuple(args)
+
+
+def _shares(data, totals) -> Dict[str, tf.Tensor]:
+    """Replica context: this replica's share of the step's samples and of its sample weight."""
+    samples, weight = amounts(data)
+    total_samples, total_weight = totals(samples, weight) if callable(totals) else totals
+    return {
+        weighting.BATCH: tf.math.divide_no_nan(samples, total_samples),
+        weighting.SAMPLE_WEIGHT: tf.math.divide_no_nan(weight, total_weight),
+    }
+
+
+def amounts(data) -> Tuple[tf.Tensor, tf.Tensor]:
+    """A replica's samples and summed sample weight (its samples where it has none)."""
+    x, _, sample_weight = _unpack(data)
+    samples = tf.cast(input_split.batch_dim(x), tf.float32)
+    if sample_weight is None:
+        return samples, samples
+    return samples, tf.add_n(
+        [tf.reduce_sum(tf.cast(w, tf.float32)) for w in tf.nest.flatten(sample_weight)])
+
+
+def _unpack(data):
+    if isinstance(data, tuple) and len(data) in (2, 3):
+        return keras.utils.unpack_x_y_sample_weight(data)
+    return data, None, None
+
+
+def has_sample_weight(data) -> bool:
+    return data is not None and _unpack(data)[2] is not None
+
+
+def _is_distributed(value):
+    return isinstance(value, tf.distribute.DistributedValues)
+
+
+def _all_distributed(data):
+    flat = [t for t in tf.nest.flatten(data) if t is not None]
+    return bool(flat) and all(_is_distributed(t) for t in flat)
+
+
+def _local_tensors(strategy, outputs):
+    return [t for t in tf.nest.flatten(strategy.experimental_local_results(outputs))
+            if isinstance(t, tf.Tensor)]
+
+
+def _log_paths(strategy, outputs, steps):
+    """{path in `outputs`: (metric, path in its result)} for every log that is a metric's
+    result() (recorded by `weighting.adapt_metric` on every replica)."""
+    if not isinstance(outputs, dict):
+        return {}
+    recorded = {}
+    for step in steps:
+        recorded.update(step.metric_results)
+    paths = {}
+    for path, value in _flatten_with_paths(outputs):
+        locals_ = strategy.experimental_local_results(value) if _is_distributed(value) \
+            else (value,)
+        for t in locals_:
+            hit = recorded.get(id(t))
+            if hit is not None and hit[0] is t:
+                paths[path] = hit[1:]  # (metric, path in its result)
+                break
+    return paths
+
+
+def _flatten_with_paths(structure, prefix=()):
+    if isinstance(structure, dict):
+        for key in structure:
+            yield from _flatten_with_paths(structure[key], prefix + (key,))
+    elif isinstance(structure, (list, tuple)) and not _is_distributed(structure):
+        for i, item in enumerate(structure):
+            yield from _flatten_with_paths(item, prefix + (i,))
+    else:
+        yield prefix, structure
+
+
+def _logs(strategy, outputs, paths, reduce):
+    """`outputs` with the logs at `paths` replaced by their metrics' global values (with
+    `reduce=False`: the first local replica's, at no communication; see the multi-step loop)."""
+    logged = list({id(m): m for m, _ in paths.values()}.values())
+    with tf.control_dependencies(_local_tensors(strategy, outputs)):
+        results = metrics.metric_results_of(strategy, logged, reduce=reduce)
+    if results is None:
+        return outputs  # a metric variable that cannot be summed: Keras reduces the logs
+    merged = _copy(outputs)
+    for path, (metric, result_path) in paths.items():
+        value = results[id(metric)]
+        for key in result_path:
+            value = value[key]
+        _set(merged, path, tf.convert_to_tensor(value))
+    return merged
+
+
+def _copy(structure):
+    if isinstance(structure, dict):
+        return {k: _copy(v) for k, v in structure.items()}
+    if isinstance(structure, list):
+        return [_copy(v) for v in structure]
+    return structure
+
+
+def _set(structure, path, value):
+    for key in path[:-1]:
+        structure = structure[key]
+    if isinstance(structure, tuple):  # pragma: no cover - logs are dicts of tensors
+        return
+    structure[path[-1]] = value
+
+
+# --------------------------------------------------------------------- the replica's start ---
+_EMPTY_REPLICA_FIX = (
+    "Fix: use keras.layers.BatchNormalization(synchronized=True), give every replica at least "
+    "1 sample, or batch with drop_remainder=True so no short last batch leaves a replica empty."
+)
+
+
+def check_nonempty_sizes(sizes):
+    if min(sizes) < 1:
+        raise ValueError(
+            "Every replica needs at least 1 sample: the model has plain BatchNormalization "
+            "layers, whose batch statistics are NaN on an empty batch. Received: "
+            f"batch_sizes={list(sizes)}. " + _EMPTY_REPLICA_FIX
+        )
+
+
+def _has_local_batch_norm(model):
+    return model is not None and any(
+        isinstance(layer, keras.layers.BatchNormalization)
+        and not getattr(layer, "synchronized", False)
+        for layer in keras_callers.all_layers(model)
+    )
+
+
+def _start_stamp(replica_args, check_nonempty):
+    """Replica context: (args, the time this replica's inputs are there, its number of samples).
+
+    The stamp depends on the inputs only and nothing depends on it but the timing record, so it
+    adds no barrier to the step: gating the replica's work on the stamp, or on all replicas'
+    inputs, cost several percent of a small model's step on 2 cores. The executor runs the
+    stamp as soon as the inputs are ready (a cheap op, run inline), i.e. when the work can start.
+    Only with plain BatchNormalization (`check_nonempty`) are the returned args gated, on a
+    check that the batch is not empty: the step then fails with a clear message before any of
+    its work runs.
+    """
+    tensors = [
+        t for t in tf.nest.flatten(replica_args, expand_composites=True) if isinstance(t, tf.Tensor)
+    ]
+    if not tensors:
+        return replica_args, tf.timestamp(), tf.constant(0, tf.int64)
+    samples = input_split.batch_dim(_unpack(_step_data(replica_args))[0])
+    if check_nonempty:
+        check = tf.debugging.assert_positive(
+            samples,
+            message=(
+                "A replica got an empty batch, and the model has plain "
+                "BatchNormalization layers, whose statistics are NaN on an empty batch. "
+                + _EMPTY_REPLICA_FIX
+            ),
+        )
+        with tf.control_dependencies([check]):
+            replica_args = tf.nest.map_structure(
+                lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t,
+                replica_args,
+                expand_composites=True,
+            )
+    with tf.control_dependencies(tensors):
+        return replica_args, tf.timestamp(), samples

@@ -1,0 +1,147 @@
+"""How a step's gradients reach the variables: summed by the strategy, then applied.
+
+Every optimizer a step uses (`weighting.step_objects`) gets an instance-level `apply` under a
+tf_hetbatch strategy; outside its replica steps it does exactly what the original does. In a
+step it records the replica's compute time when the local gradients are ready (`timing`), sums
+them across replicas itself, and applies the sum with the optimizer's own all-reduce passing it
+on (`collectives.gradients_already_reduced`). So gradient clipping acts on the global gradient, as
+on one device (stock Keras clips each replica's part), and a LossScaleOptimizer decides on the
+same summed gradients on every replica (stock Keras checks the first replica's only,
+keras-team/keras#18666). The sum's instance keys are fixed when traced (`_compat`), so the
+cluster sets it up once.
+
+One all-reduce per step: in Keras's own `train_step` (`ReplicaStep.carry_logs`) `apply` only
+holds the gradients; at the end of the step (`finish_step`) one all-reduce sums them together
+with every metric variable (the loss's total and count, each metric's), the update is applied
+from the sum and the step's logs are computed from the sums: true global means at no second
+collective. Keras's `train_step` does nothing after `apply` but update and read the metrics, so
+holding the update to the end of the step changes nothing else. Any other step keeps its own
+order (a GAN's generator step reads the discriminator its first update changed): each `apply`
+sums and applies at once, and the logs take a second all-reduce.
+"""
+
+import tensorflow as tf
+
+from tf_hetbatch.distribute import weighting
+from tf_hetbatch.distribute.weighting import ReplicaStep, current_step
+from tf_hetbatch.distribute._upstream import collectives, metrics
+
+
+def adapt_optimizer(optimizer) -> None:
+    """Installs the strategy's `apply` on this one optimizer instance (idempotent)."""
+    if optimizer is None or getattr(optimizer, "_tf_hetbatch_adapted", False):
+        return
+    original_apply = optimizer.apply
+
+    def apply(grads, trainable_variables=None):
+        step = current_step()
+        if step is None:
+            return original_apply(grads, trainable_variables)
+        grads = list(grads)
+        if step.timing is not None and not step.gradients_applied:
+            grads = _timed_gradients(step, grads)  # the replica's own work ends here
+        step.gradients_applied = True
+        if step.carry_logs and step.held is None:
+            step.held = (grads, lambda summed: _apply_summed(
+                optimizer, original_apply, summed, trainable_variables))
+            return None  # applied by finish_step, after the step's one all-reduce
+        summed = _sum_present(grads)
+        if step.timing is not None:
+            summed = step.timing.record_release(summed)
+        return _apply_summed(optimizer, original_apply, summed, trainable_variables)
+
+    def on_reduced(grads_and_vars):
+        step = current_step()
+        if step is None or step.timing is None:
+            return grads_and_vars
+        return step.timing.record_release(grads_and_vars)
+
+    collectives.wrap_gradient_all_reduce(optimizer, on_reduced)
+    apply.__doc__ = original_apply.__doc__
+    optimizer.apply = apply
+    optimizer._tf_hetbatch_adapted = True
+
+
+def _apply_summed(optimizer, original_apply, summed, trainable_variables):
+    with collectives.gradients_already_reduced(optimizer):
+        return original_apply(summed, trainable_variables)
+
+
+def _sum_present(grads):
+    """`grads` summed across replicas (None entries kept)."""
+    present = [g for g in grads if g is not None]
+    summed = iter(sum_across_replicas(present))
+    return [None if g is None else next(summed) for g in grads]
+
+
+def finish_step(step: ReplicaStep, model, outputs):
+    """Replica context, at the end of Keras's own train step: (outputs, logs_are_global).
+
+    The held gradients and the metric variables are summed across replicas in one all-reduce
+    (one per dtype present: a pack is one concatenated tensor), the update is applied from the
+    summed gradients, and every metric result in `outputs` is replaced by its global value.
+    If a metric variable cannot be summed (not SUM-on-read), only the gradients are, and the
+    logs are left to the strategy's usual reduce (logs_are_global False)."""
+    if step.held is None:
+        return outputs, False  # no gradients (no trainable weights): the usual logs reduce
+    grads, apply_summed = step.held
+    metric_values = metrics.summable_metric_variables(model.metrics)
+    locals_ = [tf.identity(v) for v in metric_values] if metric_values is not None else []
+    dense = [g for g in grads if g is not None]
+    summed = sum_across_replicas(dense + locals_)
+    summed_grads, sums = summed[:len(dense)], summed[len(dense):]
+    if step.timing is not None:
+        summed_grads = step.timing.record_release(summed_grads)
+    summed_grads = iter(summed_grads)
+    apply_summed([None if g is None else next(summed_grads) for g in grads])
+    if metric_values is None:
+        return outputs, False
+    merged = dict(outputs)
+    for name, value in metrics.metric_results_from_sums(model.metrics, sums).items():
+        if name in merged:
+            merged[name] = tf.convert_to_tensor(value)
+    return merged, True
+
+
+def sum_across_replicas(values):
+    """Replica context: `values` summed across all replicas, one all-reduce per dtype."""
+    if not values:
+        return []
+    ctx = tf.distribute.get_replica_context()
+    by_dtype = {}
+    for i, v in enumerate(values):
+        by_dtype.setdefault(v.dtype, []).append(i)
+    out = [None] * len(values)
+    launchers = collectives.collective_launchers(ctx.strategy)
+    with collectives.instance_keys_from_values(launchers, values):  # resolved once, not per step
+        for indices in by_dtype.values():
+            for i, r in zip(indices, ctx.all_reduce(tf.distribute.ReduceOp.SUM,
+                                                    [values[i] for i in indices])):
+                out[i] = r
+    return out
+
+
+def _timed_gradients(step, grads):
+    """Records the replica's compute time once its local gradients are ready.
+
+    The record is a stateful op the step runs anyway; the gradients do not wait for it, so
+    timing adds no barrier before the all-reduce.
+    """
+    ready = [g for g in tf.nest.flatten(grads, expand_composites=True) if g is not None]
+    with tf.control_dependencies(ready):
+        end_time = tf.timestamp()
+    start_time = step.timing.step_start(step.start_time)
+    step.timing.record(end_time - start_time, step.samples)
+    return grads
+
+
+def adapt_step_objects(models, optimizers, losses, metrics) -> None:
+    """Adapts what a step uses (see `weighting.step_objects`): each instance once."""
+    for optimizer in optimizers:
+        adapt_optimizer(optimizer)
+    for loss in losses:
+        weighting.adapt_loss(loss)
+    for metric in metrics:
+        weighting.adapt_metric(metric)
+    for model in models:
+        weighting.adapt_compute_loss(model)
