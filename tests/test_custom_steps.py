@@ -7,6 +7,10 @@ replica-scaled loss at loss / K). A loss scaled by the replica count that the st
 weight is refused when the step is traced.
 """
 
+import io
+import json
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -14,6 +18,7 @@ import tensorflow as tf
 
 import custom_models
 import tf_hetbatch as hb
+from tf_hetbatch.launch import launch
 from helpers import max_weight_diff, stock_mirrored
 
 TOL = 1e-5
@@ -32,11 +37,11 @@ def _dataset(variant, n=160):
     return lambda: tf.data.Dataset.from_tensor_slices(columns).batch(32)
 
 
-def _train(strategy, variant, split=None, epochs=2):
+def _train(strategy, variant, split=None, epochs=2, n=160):
     model = _under(strategy, variant)
     if split is not None:
         strategy.set_batch_sizes(split)
-    history = model.fit(_dataset(variant)(), epochs=epochs, verbose=0).history
+    history = model.fit(_dataset(variant, n)(), epochs=epochs, verbose=0).history
     return model, history
 
 
@@ -180,3 +185,34 @@ def test_custom_loop_with_a_keras_loss_it_holds_is_weighted(cpus):
     assert max_weight_diff(ref, model) <= TOL
     # SUM over the replicas of K * share * loss_k: K times the global mean.
     assert np.mean(losses) / 3 == pytest.approx(ref_history["loss"][0], rel=1e-5)
+
+
+# --------------------------------------------------------------------- two workers -----------
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "custom_step_train.py")
+
+
+@pytest.mark.parametrize("variant", [*custom_models.VARIANTS, "loop"])
+def test_custom_steps_on_two_workers_equal_one_device(tmp_path, variant):
+    log = io.StringIO()
+    result = launch([WORKER, "--out", str(tmp_path), "--variant", variant, "--sizes", "5,27",
+                     "--n", "320",
+                     "--switch-step", "3", "--switch-sizes", "20,12"],
+                    2, threads=1, timeout=240, stdout=log, stderr=log, handle_signals=False)
+    assert result.ok, result.message + "\n" + log.getvalue()[-4000:]
+    ref_variant = "compute_loss" if variant == "loop" else variant
+    ref, ref_history = _train(None, ref_variant, n=320)
+    for index in range(2):
+        weights = np.load(tmp_path / f"worker{index}.npz")
+        ours = [weights[f"arr_{i}"] for i in range(len(ref.get_weights()))]
+        assert max(float(np.max(np.abs(a - b))) for a, b in zip(ours, ref.get_weights())) <= TOL
+        info = json.loads((tmp_path / f"worker{index}.json").read_text())
+        for key in ref_history:
+            np.testing.assert_allclose(info["history"][key], ref_history[key], rtol=1e-5)
+        # 20 steps: the first 3 + DEFAULT_SWITCH_MARGIN at [5, 27], the rest at [20, 12].
+        np.testing.assert_array_equal(info["samples"], [5 * 11 + 20 * 9, 27 * 11 + 12 * 9])
+        assert all(s > 0 for s in info["seconds"])
+        if variant == "compute_loss":
+            xe, ye = custom_models.data(100, seed=5)
+            expected = ref.evaluate(xe, ye, batch_size=50, verbose=0, return_dict=True)
+            for key in expected:
+                assert info["evaluation"][key] == pytest.approx(expected[key], rel=1e-5)

@@ -83,3 +83,37 @@ def test_all_layers_walks_nested_models():
     outer = keras.Sequential([keras.Input((4,)), inner, keras.layers.Dense(1)])
     kinds = [type(layer).__name__ for layer in keras_callers.all_layers(outer)]
     assert "BatchNormalization" in kinds and "Dense" in kinds
+
+
+def test_keras_own_steps_call_compute_loss(cpus):
+    """`keras_callers.called_from_keras_own_step`: Keras's own train and test steps (also
+    reached through a subclass's `super().train_step`) call `compute_loss`, and a custom step
+    is told apart. If it fails, the loss value a step reads is weighted for the wrong reader."""
+    seen = []
+
+    class Recording(keras.Sequential):
+        def compute_loss(self, *args, **kwargs):
+            seen.append((type(self).__name__, keras_callers.called_from_keras_own_step()))
+            return super().compute_loss(*args, **kwargs)
+
+    class Custom(Recording):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+            self.optimizer.apply(tape.gradient(loss, self.trainable_variables),
+                                 self.trainable_variables)
+            return {"loss": loss}
+
+    class Super(Recording):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    x, y = regression_data(n=32)
+    for cls in (Recording, Custom, Super):
+        model = cls([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        model.evaluate(x, y, batch_size=32, verbose=0)
+    assert seen == [("Recording", True), ("Recording", True), ("Custom", False),
+                    ("Custom", True), ("Super", True), ("Super", True)]

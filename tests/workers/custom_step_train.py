@@ -1,0 +1,122 @@
+"""A multi-worker script for the custom-step tests: run by tf_hetbatch.launch with TF_CONFIG.
+
+Trains one of `custom_models.VARIANTS` (a train_step written as Keras's guide teaches) with
+`fit`, or a custom training loop (`--variant loop`: TensorFlow's multi-worker custom-loop
+guide, `strategy.run` of a replica step per global batch) under
+HeteroMultiWorkerMirroredStrategy with a split that switches mid-run, then evaluates; writes
+<out>/worker<i>.npz (weights) and worker<i>.json (history, evaluation, times).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import custom_models  # noqa: E402
+import tf_hetbatch as hb  # noqa: E402
+
+BATCH, EPOCHS = 32, 2
+
+
+class SwitchAt(keras.callbacks.Callback):
+    def __init__(self, strategy, at_step, sizes):
+        super().__init__()
+        self.strategy, self.at_step, self.sizes, self.step = strategy, at_step, sizes, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        if self.step == self.at_step:
+            self.strategy.set_batch_sizes(self.sizes)  # collective, every worker
+
+
+def train_loop(strategy, n, switch_step, switch_sizes):
+    """TensorFlow's custom-loop guide, with the loss scaled by the global batch."""
+    with strategy.scope():
+        model = custom_models.build("compute_loss")
+        loss_object = keras.losses.MeanSquaredError(reduction="none")
+        train_mae = keras.metrics.MeanAbsoluteError()
+    optimizer = model.optimizer
+    x, y = custom_models.data(n)
+    dist = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+
+    def train_step(inputs):
+        features, labels = inputs
+        with tf.GradientTape() as tape:
+            predictions = model(features, training=True)
+            loss = tf.nn.compute_average_loss(loss_object(labels, predictions),
+                                              global_batch_size=BATCH)
+            loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        train_mae.update_state(labels, predictions)
+        return loss
+
+    @tf.function
+    def distributed_train_step(inputs):
+        losses = strategy.run(train_step, args=(inputs,))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    history = {"loss": [], "mae": []}
+    step = 0
+    for _ in range(EPOCHS):
+        total, batches = 0.0, 0
+        train_mae.reset_state()
+        for batch in dist:
+            total += float(distributed_train_step(batch))
+            batches += 1
+            step += 1
+            if step == switch_step:
+                strategy.set_batch_sizes(switch_sizes)
+        history["loss"].append(total / batches)
+        history["mae"].append(float(train_mae.result()))
+    return model, history
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--variant", required=True, choices=[*custom_models.VARIANTS, "loop"])
+    parser.add_argument("--n", type=int, default=160, help="training samples")
+    parser.add_argument("--sizes", required=True, help="initial split, comma separated")
+    parser.add_argument("--switch-step", type=int, default=2)
+    parser.add_argument("--switch-sizes", required=True)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    switch_sizes = [int(s) for s in args.switch_sizes.split(",")]
+
+    strategy = hb.HeteroMultiWorkerMirroredStrategy()
+    strategy.set_batch_sizes(sizes)
+    evaluation = {}
+    if args.variant == "loop":
+        model, history = train_loop(strategy, args.n, args.switch_step, switch_sizes)
+    else:
+        with strategy.scope():
+            model = custom_models.build(args.variant)
+        columns = custom_models.data(args.n, sample_weight=args.variant == "sample_weight")
+        history = model.fit(tf.data.Dataset.from_tensor_slices(columns).batch(BATCH),
+                            epochs=EPOCHS, verbose=0,
+                            callbacks=[SwitchAt(strategy, args.switch_step, switch_sizes)]
+                            ).history
+        if args.variant == "compute_loss":  # its custom test_step
+            xe, ye = custom_models.data(100, seed=5)
+            evaluation = model.evaluate(xe, ye, batch_size=50, verbose=0, return_dict=True)
+    times = strategy.read_replica_times()
+    index = strategy.cluster_resolver.task_id
+    os.makedirs(args.out, exist_ok=True)
+    np.savez(os.path.join(args.out, f"worker{index}.npz"), *model.get_weights())
+    with open(os.path.join(args.out, f"worker{index}.json"), "w") as f:
+        json.dump({"history": history, "evaluation": evaluation,
+                   "samples": times.samples.tolist(),
+                   "seconds": times.compute_seconds.tolist()}, f)
+
+
+if __name__ == "__main__":
+    main()
