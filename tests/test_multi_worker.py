@@ -96,6 +96,19 @@ def test_two_workers_exact_with_a_sample_weighted_loss(tmp_path):
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(ref, unweighted)) > 1e-3
 
 
+def test_a_later_fit_with_another_global_batch_on_two_workers(tmp_path):
+    # The second fit's data is batched by 16: the split [5, 27] is re-made in its
+    # proportions, from the step that data starts at, on every worker.
+    outputs = run_cluster(tmp_path, 2, "--sizes", "5,27", "--epochs", "1",
+                          "--refit-batch", "16")
+    x, y = mw_train.data(320)
+    ref = reference_model(epochs=1)
+    ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert_every_worker_equals(ref.get_weights(), outputs)
+    for _, info in outputs:
+        assert info["batch_sizes"] in ([2, 14], [3, 13])
+
+
 def test_three_workers_even_split_of_an_indivisible_batch(tmp_path):
     log = io.StringIO()
     outputs = run_cluster(tmp_path, 3, "--epochs", "1", "--log-collectives", log=log)

@@ -159,11 +159,51 @@ def test_sizes_not_summing_to_the_data_batch_fail_when_the_data_arrives(cpus):
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)  # nothing trained, nothing lost
-    # Once the data is known, a wrong sum is refused at once.
     strategy.set_batch_sizes([10, 10, 12])
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    # Set after the data: kept for the next training data, whose batch size it must match.
+    strategy.set_batch_sizes([10, 10, 11])
+    assert strategy.batch_sizes == (10, 10, 11)
     with pytest.raises(ValueError, match=r"global batch size 32.*sum 31"):
-        strategy.set_batch_sizes([10, 10, 11])
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
+def test_a_later_fit_with_another_global_batch(cpus, caplog):
+    x, y = regression_data(n=256)
+    strategy = hb.HeteroMirroredStrategy(cpus[:2])
+    model = build_under(strategy, dense_model)
+    strategy.set_batch_sizes([96, 32])
+    model.fit(x, y, batch_size=128, epochs=1, shuffle=False, verbose=0)
+    ref = _one_device_copy(model)
+    # The split of the earlier fit is re-made for the new global batch in its proportions.
+    with caplog.at_level("INFO", logger="tf_hetbatch"):
+        model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    assert strategy.batch_sizes == (48, 16)
+    assert [r.levelname for r in caplog.records if "re-split" in r.message] == ["INFO"]
+    ref.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    assert max_weight_diff(ref, model) <= 1e-5
+    times = strategy.read_replica_times()
+    np.testing.assert_array_equal(times.samples, [96 * 2 + 48 * 4, 32 * 2 + 16 * 4])
+    # A split set between fits for the next data's batch size applies to it.
+    strategy.set_batch_sizes([8, 24])
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    ref.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert max_weight_diff(ref, model) <= 1e-5
+    np.testing.assert_array_equal(strategy.read_replica_times().samples - times.samples,
+                                  [8 * 8, 24 * 8])
+
+
+def test_data_batched_by_a_users_dataset_function_is_said_not_to_follow_the_split(cpus,
+                                                                                   caplog):
+    strategy = hb.HeteroMirroredStrategy(cpus[:2])
+    x, y = regression_data(n=64)
+    with caplog.at_level("WARNING", logger="tf_hetbatch"):
+        for _ in range(2):
+            strategy.distribute_datasets_from_function(
+                lambda ctx: tf.data.Dataset.from_tensor_slices((x, y)).batch(
+                    ctx.get_per_replica_batch_size(32)))
+    assert [r.levelname for r in caplog.records
+            if "does not reach it" in r.message] == ["WARNING"]
 
 
 def test_data_batched_by_another_size_fails_at_the_second_batch(cpus):
@@ -342,9 +382,11 @@ def test_fit_validation_of_another_batch_size_matches_one_device(cpus):
         expected = ref.evaluate(xv, yv, batch_size=50, verbose=0, return_dict=True)
         for key, value in expected.items():
             assert hist.history[f"val_{key}"][epoch] == pytest.approx(value, rel=1e-5, abs=1e-5)
-    # The training data's checks are untouched by the validation data seen in between.
+    # The training data's checks are untouched by the validation data seen in between: a
+    # split summing to 31 waits for training data batched by 31.
+    strategy.set_batch_sizes([10, 10, 11])
     with pytest.raises(ValueError, match=r"global batch size 32.*sum 31"):
-        strategy.set_batch_sizes([10, 10, 11])
+        model.fit(train, epochs=1, verbose=0)
 
 
 @pytest.mark.parametrize("batch", [2, 20, 50, 512], ids=lambda b: f"batch{b}")

@@ -167,6 +167,8 @@ def main():
                         "batch(B) (runs unsplit); reorder: as batch-map, after a parallel "
                         "per-sample map with deterministic=False that reorders")
     parser.add_argument("--steps-per-execution", type=int, default=1)
+    parser.add_argument("--refit-batch", type=int, default=0,
+                        help="then one more epoch, the data batched by this size")
     parser.add_argument("--log-collectives", action="store_true",
                         help="TensorFlow's INFO log (it names each all-reduce it builds)")
     parser.add_argument("--unseeded", action="store_true",
@@ -254,6 +256,8 @@ def main():
     else:
         history = model.fit(ds, epochs=args.epochs, verbose=0, callbacks=callbacks,
                             validation_data=validation)
+    if args.refit_batch:
+        model.fit(source(columns).batch(args.refit_batch), epochs=1, verbose=0)
     index = strategy.cluster_resolver.task_id
     os.makedirs(args.out, exist_ok=True)
     np.savez(

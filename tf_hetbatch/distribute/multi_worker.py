@@ -104,9 +104,10 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
         # the step it is trained in, so no collective runs before the step's compute (a worker
         # waiting in one for a slower worker would count that wait as its own work, see
         # timing.py). Sample weights made by per-sample maps that run after the split are
-        # known per worker only, and evaluation batches are not recorded: there each replica's
-        # amounts are summed in a small all-reduce at the step's start.
-        if kind == "test_step" or (
+        # known per worker only, and evaluation batches and data a user's dataset function
+        # batched are not recorded: there each replica's amounts are summed in a small
+        # all-reduce at the step's start.
+        if kind == "test_step" or self._user_batched_data or (
                 not self._weights_in_pipeline and step_run.has_sample_weight(
                     self.experimental_local_results(data)[0])):
             return lambda samples, weight: tuple(
@@ -185,10 +186,14 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
             return 0  # no worker has produced a batch yet: the split applies from the first
         return int(self._allocation.trained.numpy()) + self._switch_margin
 
+    def _install_for_new_data(self, sizes):
+        # Every worker distributes its new training data at the same step, and the same
+        # sizes (a split set for it, or re-made in proportion): keyed from that step on.
+        self._allocation.install(sizes, int(self._allocation.trained.numpy()))
+
     def _apply_batch_sizes(self, sizes):
         start = self._switch_start()
         self._allocation.install(sizes, start)
-        self._batch_sizes = tuple(sizes)
         last_key = int(self._allocation.last_key.numpy())
         if last_key >= start:
             raise RuntimeError(
@@ -199,7 +204,7 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
                 "worker, e.g. HeteroMultiWorkerMirroredStrategy(switch_margin="
                 f"{2 * self._switch_margin})."
             )
-        logger.debug("batch sizes %s from step %d", self._batch_sizes, start)
+        logger.debug("batch sizes %s from step %d", list(sizes), start)
 
     # ----------------------------------------------------------------- Keras crashes -----------
     def reduce(self, reduce_op, value, axis):

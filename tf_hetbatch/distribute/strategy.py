@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from tf_hetbatch.core import _validate
 from tf_hetbatch.core import split
+from tf_hetbatch.core import split_state
 from tf_hetbatch.core.measurements import ReplicaTimes
 from tf_hetbatch.distribute import device_peaks
 from tf_hetbatch.distribute import input_split
@@ -42,15 +43,15 @@ class HeteroMixin:
         self._allocation = input_split.Allocation(
             num_replicas, self._host_device(), keyed_by_step=self._keyed_by_step()
         )
-        self._batch_sizes: Optional[Tuple[int, ...]] = None
+        self._split = split_state.SplitState(num_replicas)
         # Set once a model with plain BatchNormalization trains: no replica may get 0 samples.
         self._needs_nonempty_replicas = False
-        self._data_global_batch: Optional[int] = None
         # False once the training data's per-sample work runs after the split: its sample
         # weights are then known per worker only (see the multi-worker `_step_total`).
         self._weights_in_pipeline = True
         self._said_unsplit = weakref.WeakSet()  # datasets whose unsplit input was logged
         self._split_input_work = True
+        self._user_batched_data = False  # data batched per replica by a user's function
         self._timing = timing.TimingAccumulators(
             self, self.num_local_replicas, from_release=self._time_from_release()
         )
@@ -77,11 +78,7 @@ class HeteroMixin:
         A partial last batch is split in proportion to these sizes, and so is every batch of
         evaluation data (Keras `evaluate`, `predict`, `fit`'s validation), whatever its size.
         """
-        if self._batch_sizes is not None:
-            return self._batch_sizes
-        if self._data_global_batch is not None:
-            return split.split_evenly(self._data_global_batch, self.num_replicas_in_sync)
-        return None
+        return self._split.sizes
 
     @property
     def num_parts(self) -> int:
@@ -91,9 +88,7 @@ class HeteroMixin:
     @property
     def global_batch_size(self) -> Optional[int]:
         """The global batch size: sum of the sizes set, else the data's (None while unknown)."""
-        if self._batch_sizes is not None:
-            return sum(self._batch_sizes)
-        return self._data_global_batch
+        return self._split.global_batch
 
     def set_batch_sizes(self, sizes: Sequence[int]) -> None:
         """Sets the per-replica batch sizes: how each global batch is split from now on.
@@ -104,25 +99,33 @@ class HeteroMixin:
         (the distributed iterator prefetches). Gradient weights and timing always follow the
         actual batch shapes of each step, so that lag never costs exactness.
 
+        Sizes that do not sum to the global batch of the training data in use are kept for
+        the next training data (e.g. the next `fit`), which must then be batched by their sum;
+        the data in use goes on with the split it has (logged at INFO). A split from before
+        (an earlier `fit`'s, a controller's) meets training data batched by another size
+        re-made in its proportions.
+
         Args:
-            sizes: one non-negative int per replica, in replica order, summing to the global
-                batch size of the data (checked now if the data is known, else when it arrives).
+            sizes: one non-negative int per replica, in replica order.
 
         Raises:
-            ValueError: wrong length, negative or non-integer sizes, or a sum other than the
-                data's global batch size.
+            ValueError: wrong length, negative or non-integer sizes; a replica with 0 samples
+                when the model has plain BatchNormalization.
         """
-        sizes = split.validate_sizes(
-            sizes, self.num_replicas_in_sync, self._data_global_batch
-        )
+        sizes = split.validate_sizes(sizes, self.num_replicas_in_sync)
         if self._needs_nonempty_replicas:
             step_run.check_nonempty_sizes(sizes)
-        self._apply_batch_sizes(sizes)
+        if self._split.set(sizes):
+            self._apply_batch_sizes(sizes)
 
     def _apply_batch_sizes(self, sizes):
+        """Installs `sizes` for the global batches produced from now on (one host)."""
         self._allocation.install(sizes, self._switch_start())
-        self._batch_sizes = tuple(sizes)
-        logger.debug("batch sizes set to %s", self._batch_sizes)
+        logger.debug("batch sizes set to %s", sizes)
+
+    def _install_for_new_data(self, sizes):
+        """Installs `sizes` for training data distributed now, before it produced a batch."""
+        self._allocation.install(sizes)
 
     @property
     def split_input_work(self) -> bool:
@@ -291,7 +294,7 @@ class HeteroMixin:
                 plan=plan,
             )
 
-        distributed = self.distribute_datasets_from_function(dataset_fn, options)
+        distributed = super().distribute_datasets_from_function(dataset_fn, options)
         if not self._partial_batch_handling():
             iterators.disable_partial_batch_handling(distributed)
         if options is None and self._one_cpu_replica():
@@ -307,6 +310,25 @@ class HeteroMixin:
                 plans[0].reason,
             )
         return distributed
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """As the stock method: `dataset_fn(input_context)` batches each replica's data itself.
+
+        Such data does not follow the split: `set_batch_sizes` (and a `DynamicBatching` or
+        `Balancer`) cannot reach the batch sizes its pipelines chose, and each worker reads
+        what its pipeline gives (the strategy does not check that workers agree). Said once,
+        in a warning. Training on it stays exact: the loss weights follow each step's actual
+        batches (across workers the step's totals then take a small all-reduce). To balance,
+        distribute a dataset of global batches with `experimental_distribute_dataset`.
+        """
+        if not self._user_batched_data and self._is_chief():
+            logger.warning(
+                "distribute_datasets_from_function: the dataset function batches each "
+                "replica's data itself, so the split (set_batch_sizes, DynamicBatching, "
+                "Balancer) does not reach it. Fix, to balance: batch the data by the global "
+                "batch size and pass it to strategy.experimental_distribute_dataset.")
+        self._user_batched_data = True
+        return super().distribute_datasets_from_function(dataset_fn, options)
 
     def check_input_agreement(self) -> None:
         """Checks that every worker has trained the same global batches so far.
@@ -357,15 +379,11 @@ class HeteroMixin:
                 "Fix: dataset.batch(global_batch_size)."
             )
         if batch is not None and not evaluation:  # evaluation batches may have any size
-            if self._batch_sizes is not None and sum(self._batch_sizes) != batch:
-                raise ValueError(
-                    f"`batch_sizes` must sum to the dataset's global batch size {batch}. "
-                    f"Received: batch_sizes={list(self._batch_sizes)} "
-                    f"(sum {sum(self._batch_sizes)}). Fix: batch the dataset with "
-                    f"{sum(self._batch_sizes)}, or call set_batch_sizes() with sizes summing "
-                    f"to {batch}."
-                )
-            self._data_global_batch = batch
+            sizes = self._split.data_arrived(batch)
+            if sizes is not None:
+                if self._needs_nonempty_replicas:
+                    step_run.check_nonempty_sizes(sizes)
+                self._install_for_new_data(sizes)
 
     # ----------------------------------------------------------------- the step ----------------
     def run(self, fn, args=(), kwargs=None, options=None):
