@@ -9,10 +9,10 @@ The rules:
 - `set(sizes)` sets the split. If the training data's global batch B is known and the sizes
   do not sum to it, they are kept for the next training data (`pending`), which must be
   batched by their sum: the data in use is left alone.
-- When new training data arrives (`data_arrived(B)`), a split set since the previous data
-  arrived must sum to B (an explicit split that does not is refused); an older split (the
-  previous data's, or a controller's) is re-made for the new B in its proportions, with one
-  INFO line.
+- When new training data arrives (`data_arrived(B)`), a split set for it (before any data,
+  or pending) must sum to B: an explicit split that does not is refused. A split of the data
+  in use (the previous data's, e.g. a controller's) is re-made for the new B in its
+  proportions, with one INFO line.
 """
 
 import logging
@@ -36,7 +36,7 @@ class SplitState:
         self.part_name = part_name
         self._sizes: Optional[Tuple[int, ...]] = None
         self._data_batch: Optional[int] = None
-        self._explicit = False  # set since the last training data arrived
+        self._explicit = False  # set for the next training data (before any, or pending)
         self._pending = False  # set for the next training data (its sum differs from B)
 
     @property
@@ -82,8 +82,12 @@ class SplitState:
             ValueError: wrong length, negative or non-integer sizes.
         """
         sizes = split.validate_sizes(sizes, self.num_parts)
-        self._sizes, self._explicit = sizes, True
+        self._sizes = sizes
         self._pending = self._data_batch is not None and sum(sizes) != self._data_batch
+        # A split that fits the data in use is that data's (e.g. a controller's, during fit):
+        # later data may re-make it. One set before any data, or for other data, is for the
+        # next training data, which must fit it.
+        self._explicit = self._data_batch is None or self._pending
         if self._pending:
             logger.info(
                 "batch sizes %s sum to %d, the training data in use is batched by %d: they "

@@ -25,6 +25,7 @@ import tensorflow as tf
 from tf_hetbatch.core import _validate
 from tf_hetbatch.core import devices as _devices
 from tf_hetbatch.core import split
+from tf_hetbatch.core import split_state
 from tf_hetbatch.core.measurements import ReplicaTimes, Staleness
 from tf_hetbatch.distribute._upstream import ps_coordinator
 
@@ -81,8 +82,7 @@ class HeteroParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                              f"this cluster has {self.num_replicas_in_sync}. Fix: give each "
                              "worker task one GPU (CUDA_VISIBLE_DEVICES) or none.")
         self._num_workers = num_workers
-        self._batch_sizes: Optional[Tuple[int, ...]] = None
-        self._total: Optional[int] = None
+        self._split = split_state.SplitState(num_workers, part_name="worker")
         self._staleness_bins = staleness_bins
         with self.scope():
             zeros = tf.zeros([num_workers], tf.float64)
@@ -117,16 +117,12 @@ class HeteroParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def batch_sizes(self) -> Optional[Tuple[int, ...]]:
         """Per-worker mini-batch sizes, in worker order (even split until set; None while the
         total is unknown, i.e. before the trainer's first `fit`)."""
-        if self._batch_sizes is not None:
-            return self._batch_sizes
-        if self._total is not None:
-            return split.split_evenly(self._total, self._num_workers)
-        return None
+        return self._split.sizes
 
     @property
     def global_batch_size(self) -> Optional[int]:
         """Sum of the per-worker batch sizes: the samples of one round of K updates."""
-        return self._total
+        return self._split.global_batch
 
     @property
     def switch_lag_steps(self) -> int:
@@ -138,44 +134,44 @@ class HeteroParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def set_batch_sizes(self, sizes: Sequence[int]) -> None:
         """Sets each worker's mini-batch size, effective for the steps scheduled from now on.
 
+        Sizes that do not sum to the round's total in use wait for the next `fit` whose
+        total is their sum (logged), as for the synchronous strategies.
+
         Args:
-            sizes: one int >= 1 per worker, summing to `global_batch_size` once it is known.
+            sizes: one int >= 1 per worker.
 
         Raises:
             ValueError: wrong length, a size below 1 (a worker with nothing to do would spin),
-                non-integers, or a different sum.
+                non-integers.
         """
-        sizes = split.validate_sizes(sizes, self._num_workers, self._total)
+        sizes = split.validate_sizes(sizes, self._num_workers)
         if min(sizes) < 1:
             raise ValueError(f"Every worker needs a batch of at least 1 sample in asynchronous "
                              f"training. Received: batch_sizes={list(sizes)}. Fix: give each "
                              "worker >= 1 (e.g. DynamicBatching(min_sizes=1)), or stop the "
                              "worker's task to leave it out.")
-        self._total = sum(sizes)
-        self._batch_sizes = tuple(sizes)
-        logger.debug("worker batch sizes set to %s", self._batch_sizes)
+        self._split.set(sizes)
+        logger.debug("worker batch sizes set to %s", list(sizes))
 
     def set_global_batch_size(self, total: int) -> None:
         """Fixes the round's total batch: the sum of the per-worker batch sizes.
 
-        `AsyncTrainer.fit` sets it from `batch_size` x workers. A total other than the one
-        of the split set makes the split even again (logged).
+        `AsyncTrainer.fit` sets it from `batch_size` x workers. A split of another total
+        (an earlier fit's) is re-made for this one in its proportions (logged); a split set
+        for this fit must sum to it.
 
         Args:
             total: int >= `num_workers` (every worker needs a batch of at least 1).
 
         Raises:
-            ValueError: `total` is not such an int.
+            ValueError: `total` is not such an int, or a split set for this fit does not sum
+                to it.
         """
         total = _validate.check_int(
             "global_batch_size", total, self._num_workers,
             f"give each of the {self._num_workers} workers at least 1 sample, e.g. "
             f"global_batch_size={32 * self._num_workers}.")
-        if self._total is not None and self._batch_sizes is not None and total != self._total:
-            logger.info("Batch total changed from %d to %d: back to an even split.",
-                        self._total, total)
-            self._batch_sizes = None
-        self._total = total
+        self._split.data_arrived(total)
 
     def batch_sizes_tensor(self) -> tf.Tensor:
         """The current split as an int32 tensor [num_workers], an argument of scheduled steps.
