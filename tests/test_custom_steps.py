@@ -128,10 +128,13 @@ def _custom_loop(strategy, model, per_replica_loss, split=None, n=96, batch=32):
     return [float(distributed_train_step(batch)) for batch in dist]
 
 
-def _dense(strategy=None):
+def _dense(strategy=None, regularize=False):
     def build():
         keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+        regularizer = keras.regularizers.L2(1e-2) if regularize else None
+        model = keras.Sequential([keras.Input((8,)),
+                                  keras.layers.Dense(16, activation="tanh",
+                                                     kernel_regularizer=regularizer),
                                   keras.layers.Dense(1)])
         model.compile(keras.optimizers.SGD(0.05), "mse")
         return model
@@ -159,12 +162,44 @@ def test_custom_loop_scaled_by_the_global_batch_is_exact_and_timed(cpus):
     assert np.all(times.compute_seconds > 0) and np.all(times.steps == 3)
 
 
-def test_compute_average_loss_without_the_global_batch_is_refused_when_traced(cpus):
+def test_compute_average_loss_without_the_global_batch_is_weighted(cpus, caplog):
+    # TensorFlow's custom-loop tutorial divides by the replica's own batch times K (and adds
+    # the regularisation scaled by K): the strategy weights the gradients, and says once that
+    # the returned value is the mean of the replicas' means.
     per_example = keras.losses.MeanSquaredError(reduction="none")
+
+    def loss(labels, predictions):
+        value = tf.nn.compute_average_loss(per_example(labels, predictions))
+        return value + tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+
+    ref = _dense(regularize=True)
+    ref.fit(*custom_models.data(96), batch_size=32, epochs=1, shuffle=False, verbose=0)
     strategy = hb.HeteroMirroredStrategy(cpus[:3])
-    model = _dense(strategy)
+    model = _dense(strategy, regularize=True)
+    with caplog.at_level("WARNING", logger="tf_hetbatch"):
+        _custom_loop(strategy, model, loss, SPLIT)
+        _custom_loop(strategy, model, loss, SPLIT, n=32)  # a second trace: said once
+    ref.fit(*custom_models.data(32), batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert max_weight_diff(ref, model) <= TOL
+    assert [r.levelname for r in caplog.records if "compute_average_loss" in r.message] \
+        == ["WARNING"]
+
+
+def test_compute_average_loss_without_the_global_batch_after_sync_batch_norm_is_refused(cpus):
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, use_bias=False),
+                                  keras.layers.BatchNormalization(synchronized=True),
+                                  keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.05))
+        return model
+
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    with strategy.scope():
+        model = build()
+    per_example = keras.losses.MeanSquaredError(reduction="none")
     before = model.get_weights()
-    with pytest.raises(ValueError, match="global_batch_size=B"):
+    with pytest.raises(ValueError, match="SyncBatchNormalization.*global_batch_size=B"):
         _custom_loop(strategy, model,
                      lambda labels, p: tf.nn.compute_average_loss(per_example(labels, p)), SPLIT)
     for a, b in zip(before, model.get_weights()):

@@ -47,11 +47,12 @@ class StepRunner:
         data = _step_data(args)
         distributed = data is not None and _all_distributed(data)
         training_step = kind == "train_step"
-        check_nonempty = training_step and _has_local_batch_norm(model)
+        check_nonempty = training_step and _has_batch_norm(model, synchronized=False)
         if check_nonempty:
             strategy._note_local_batch_norm()
         totals = strategy._step_totals(data, kind) if distributed else None
         carry_logs = training_step and keras_trainer.is_keras_own_train_step(fn)
+        sync_batch_norm = any(_has_batch_norm(m, synchronized=True) for m in models)
         steps, logs_global = [], []
 
         def replica_fn(*replica_args, **replica_kwargs):
@@ -61,7 +62,8 @@ class StepRunner:
                 shares=_shares(_step_data(replica_args), totals) if distributed else None,
                 has_sample_weight=has_sample_weight(_step_data(replica_args)),
                 start_time=start_time, samples=samples, timing=strategy._timing,
-                carry_logs=carry_logs,
+                carry_logs=carry_logs, optimizers_reached=bool(optimizers),
+                sync_batch_norm=sync_batch_norm,
             )
             steps.append(step)
             with weighting.replica_step(step):
@@ -229,10 +231,11 @@ def check_nonempty_sizes(sizes):
         )
 
 
-def _has_local_batch_norm(model):
+def _has_batch_norm(model, synchronized):
+    """Whether `model` has BatchNormalization layers, synchronized ones or plain ones."""
     return model is not None and any(
         isinstance(layer, keras.layers.BatchNormalization)
-        and not getattr(layer, "synchronized", False)
+        and bool(getattr(layer, "synchronized", False)) == synchronized
         for layer in keras_callers.all_layers(model)
     )
 

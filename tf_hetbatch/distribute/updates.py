@@ -37,7 +37,7 @@ def adapt_optimizer(optimizer) -> None:
         step = current_step()
         if step is None:
             return original_apply(grads, trainable_variables)
-        grads = list(grads)
+        grads = _weighted_average_loss_gradients(step, list(grads))
         if step.timing is not None and not step.gradients_applied:
             grads = _timed_gradients(step, grads)  # the replica's own work ends here
         step.gradients_applied = True
@@ -60,6 +60,21 @@ def adapt_optimizer(optimizer) -> None:
     apply.__doc__ = original_apply.__doc__
     optimizer.apply = apply
     optimizer._tf_hetbatch_adapted = True
+
+
+def _weighted_average_loss_gradients(step, grads):
+    """The step's gradients weighted by K * lambda_k where its loss came from
+    `tf.nn.compute_average_loss` without the global batch (see `weighting`)."""
+    if not step.average_loss_reads:
+        return grads
+    if step.seams_weighted:
+        raise ValueError(
+            "A step mixes `tf.nn.compute_average_loss` without `global_batch_size` with a Keras "
+            "loss the strategy weights: their gradients need different weights, and are summed "
+            "before the optimizer sees them. Fix: pass global_batch_size=B to "
+            "tf.nn.compute_average_loss.")
+    weight = step.num_replicas * step.share(weighting.BATCH)
+    return [None if g is None else g * tf.cast(weight, g.dtype) for g in grads]
 
 
 def _apply_summed(optimizer, original_apply, summed, trainable_variables):

@@ -28,18 +28,26 @@ K * lambda_k * loss_k, whose plain mean over the replicas is the global loss, as
 reports it (the stock strategy reports loss / K there). Value and gradient weights differ, so
 the seam returns `g * loss + stop_gradient((v - g) * loss)`.
 
-Anything else that divides a loss by the replica count assumes equal batches and cannot be
-weighted: `tf.nn.compute_average_loss` without `global_batch_size`, and a Keras loss the model
-does not hold. The strategy sees them read `num_replicas_in_sync` while a step is traced and
-refuses them there (`check_replica_count_read`), naming the fix. A loss that is not divided by
-the replica count at all (`tf.nn.compute_average_loss(..., global_batch_size=B)`, a "sum") is
-summed across replicas as it is: exact when it is scaled by the global batch, as TensorFlow's
-custom-loop guide teaches. Masked losses divide by their valid entries, which the strategy
-cannot see: they are weighted by samples, not exactly.
+`tf.nn.compute_average_loss` without `global_batch_size` (TensorFlow's custom-loop tutorial)
+divides each replica's loss by its own batch size times K, which Keras's and TensorFlow's
+helpers cannot know is wrong under uneven batches; the strategy sees it read
+`num_replicas_in_sync` while the step is traced and weights that step's gradients by
+K * lambda_k instead, in each optimizer's `apply` before the sum (`updates`): exact, also for
+a `tf.nn.scale_regularization_loss` added to it (its K copies weighted by lambda_k sum to
+one). Its VALUE stays each replica's mean divided by K (summed over the replicas: the mean of
+their means, not the global mean): said once in a warning. Not exact after
+SyncBatchNormalization has mixed the replicas (refused), nor with an optimizer the step does
+not reach (refused). A Keras loss the model does not hold (so no seam weights it) is refused
+when traced, naming the fix. A loss not divided by the replica count
+(`tf.nn.compute_average_loss(..., global_batch_size=B)`, a "sum") is summed across replicas
+as it is: exact when it is scaled by the global batch, as TensorFlow's guide teaches. Masked
+losses divide by their valid entries, which the strategy cannot see: they are weighted by
+samples, not exactly.
 """
 
 import contextlib
 import dataclasses
+import logging
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -88,6 +96,11 @@ class ReplicaStep:
     seam_depth: int = 0
     # Keras-scale reads still expected from Loss objects whose values a seam weighted.
     pending_scale_reads: int = 0
+    seams_weighted: int = 0
+    # `tf.nn.compute_average_loss` without the global batch: its gradients need the weight.
+    average_loss_reads: int = 0
+    optimizers_reached: bool = False
+    sync_batch_norm: bool = False
     # id(tensor returned by a metric's result()) -> (tensor, metric, path in the result), for
     # the global logs.
     metric_results: Dict[int, Tuple[tf.Tensor, Any, tuple]] = dataclasses.field(
@@ -174,6 +187,7 @@ def weigh_loss(step: ReplicaStep, loss, mode: str, keras_value: bool):
     else:
         gradient_weight = tf.constant(1.0, loss.dtype)
     value_weight = tf.constant(1.0, loss.dtype) if keras_value else num * gradient_weight
+    step.seams_weighted += 1
     weighted = gradient_weight * loss + tf.stop_gradient((value_weight - gradient_weight) * loss)
     return keras_losses.keep_keras_mask(weighted, loss)
 
@@ -264,6 +278,21 @@ def adapt_metric(metric) -> None:
     metric._tf_hetbatch_result = original
 
 
+_said_average_loss = []
+
+
+def _warn_average_loss_value():
+    if _said_average_loss:
+        return
+    _said_average_loss.append(True)
+    logging.getLogger(__name__).warning(
+        "tf.nn.compute_average_loss without global_batch_size: the gradients are weighted "
+        "exactly, but the loss it returns is each replica's mean divided by the replica count, "
+        "so its sum over replicas is the mean of the replicas' means, not the global mean, "
+        "when replicas get different batch sizes. Fix, for exact logged losses too: "
+        "tf.nn.compute_average_loss(per_example_loss, global_batch_size=B).")
+
+
 def _paths(value, prefix=()):
     if isinstance(value, dict):
         for key in value:
@@ -279,14 +308,22 @@ def check_replica_count_read(step: Optional[ReplicaStep]) -> None:
         return
     reader = keras_losses.replica_count_reader()
     if reader == keras_losses.TF_AVERAGE_LOSS:
-        raise ValueError(
-            "`tf.nn.compute_average_loss` without `global_batch_size` divides each replica's "
-            "loss by its own batch size times the replica count, which is wrong when replicas "
-            "get different batch sizes (a tf_hetbatch split), so training would silently "
-            "differ from one device on the global batch. Fix: pass the global batch size, "
-            "tf.nn.compute_average_loss(per_example_loss, global_batch_size=B) (B: the "
-            "dataset's batch size, sum(strategy.batch_sizes))."
-        )
+        if step.sync_batch_norm or not step.optimizers_reached:
+            why = ("the model has SyncBatchNormalization, whose backward all-reduce mixes the "
+                   "replicas before the gradients could be weighted" if step.sync_batch_norm
+                   else "the step applies its gradients with an optimizer the strategy does "
+                   "not reach from the step function (its closure, the globals it names, its "
+                   "model), so they cannot be weighted")
+            raise ValueError(
+                "`tf.nn.compute_average_loss` without `global_batch_size` divides each "
+                "replica's loss by its own batch size times the replica count, which is wrong "
+                f"when replicas get different batch sizes (a tf_hetbatch split), and here {why}."
+                " Fix: pass the global batch size, tf.nn.compute_average_loss(per_example_loss,"
+                " global_batch_size=B) (B: the dataset's batch size, sum(strategy.batch_sizes))."
+            )
+        step.average_loss_reads += 1
+        _warn_average_loss_value()
+        return
     if reader == keras_losses.KERAS_SCALE:
         if step.pending_scale_reads > 0 or step.seam_depth > 0:
             step.pending_scale_reads = max(step.pending_scale_reads - 1, 0)
@@ -343,6 +380,8 @@ def _reachable(fn, depth=_SEARCH_DEPTH, visited=None):
     owner = getattr(fn, "__self__", None)
     if isinstance(owner, keras.Model):
         return [owner]
+    owned = [o for value in vars(owner).values() for o in _items(value)] \
+        if hasattr(owner, "__dict__") else []  # a trainer object's method: its attributes
     fn = getattr(fn, "python_function", fn)  # a tf.function
     while hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__
@@ -352,7 +391,7 @@ def _reachable(fn, depth=_SEARCH_DEPTH, visited=None):
     values = [cell.cell_contents for cell in (fn.__closure__ or ()) if _filled(cell)]
     globals_ = getattr(fn, "__globals__", {})
     values += [globals_[name] for name in code.co_names if name in globals_]
-    found = []
+    found = owned
     for value in values:
         found += _items(value)
         if callable(value) and hasattr(getattr(value, "python_function", value), "__code__"):
