@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -59,13 +59,13 @@ from tf_hetbatch.core import split as _split
 from tf_hetbatch.core import step_search as _search
 from tf_hetbatch.core._stats import alarm_quantile, detect, t_quantile
 from tf_hetbatch.core._validate import format_value
+from tf_hetbatch.core.bounds import Bounds, check_bound, check_bounds_order, plain_bounds, \
+    resolve_bounds
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ControllerConfig", "ControllerState", "ProportionalController",
            "ModelBasedController"]
-
-Bounds = Union[int, Sequence[int], None]
 
 # Windows a switch leaves unmeasured: the one straddling it (DynamicBatching and the
 # simulator do not feed it to the controller; the lag steps fall in it).
@@ -100,8 +100,10 @@ class ControllerConfig:
     """The controller's tunables, validated on construction (all of them; units in brackets).
 
     Attributes:
-        min_sizes: [samples] smallest batch per replica: an int for all, or one per replica.
-        max_sizes: [samples] largest batch per replica: an int, one per replica, or None (B).
+        min_sizes: [samples] smallest batch per replica: an int for all, or one per replica
+            (integers >= 0, `tf_hetbatch.core.bounds`).
+        max_sizes: [samples] largest batch per replica: an int, one per replica, or None (B);
+            0 keeps a replica out of the split.
         memory: [windows] how long the time models remember: each window's weight decays by
             1 - 1 / memory per window (1: the last window only). Changes are caught by the
             detector, not by forgetting, so a long memory costs little. Default 10.
@@ -130,17 +132,9 @@ class ControllerConfig:
     search_step: float = 0.1
 
     def __post_init__(self):
-        for name in ("min_sizes", "max_sizes"):
-            value = getattr(self, name)
-            if value is None and name == "max_sizes":
-                continue
-            items = [value] if np.ndim(value) == 0 else list(value)
-            if not items or not all(isinstance(v, (int, np.integer)) and not isinstance(
-                    v, (bool, np.bool_)) and v >= 0 for v in items):
-                raise ValueError(f"`{name}` must be an integer >= 0 or a list of such integers, "
-                                 f"one per replica. Received: {name}={format_value(value)}")
-            object.__setattr__(self, name, int(value) if np.ndim(value) == 0
-                               else tuple(int(v) for v in items))
+        object.__setattr__(self, "min_sizes", check_bound("min_sizes", self.min_sizes, False))
+        object.__setattr__(self, "max_sizes", check_bound("max_sizes", self.max_sizes, True))
+        check_bounds_order(self.min_sizes, self.max_sizes)
         _number("memory", self.memory, 1.0, None, hint=" (windows), e.g. 10")
         _number("false_move_rate", self.false_move_rate, 0.0, 0.5, True, True, ", e.g. 1e-3")
         if isinstance(self.horizon, bool) or not isinstance(self.horizon, (int, np.integer)) \
@@ -159,10 +153,10 @@ class ControllerConfig:
         return 1.0 - 1.0 / float(self.memory)
 
     def to_dict(self) -> Dict[str, Any]:
+        """The tunables as a JSON-serialisable dict (the controllers' constructor arguments)."""
         out = dataclasses.asdict(self)
         for key in ("min_sizes", "max_sizes"):
-            if isinstance(out[key], tuple):
-                out[key] = list(out[key])
+            out[key] = plain_bounds(out[key])
         return out
 
 
@@ -510,7 +504,7 @@ class _Controller:
         if total < 1:
             raise ValueError(f"`sizes` must sum to a global batch >= 1. Received: "
                              f"sizes={sizes.tolist()}")
-        lo, hi = _split.resolve_bounds(total, num, self.config.min_sizes, self.config.max_sizes)
+        lo, hi = resolve_bounds(total, num, self.config.min_sizes, self.config.max_sizes)
         if np.any(sizes < lo) or np.any(sizes > hi):
             fixed = _split.split_proportionally(total, np.maximum(sizes, 1), lo, hi)
             logger.info("Initial sizes %s violate the bounds; using %s.", sizes.tolist(), fixed)
@@ -638,7 +632,7 @@ class _Controller:
             raise ValueError(f"`keep` must be a boolean mask of length {state.num_replicas} "
                              f"with at least one True. Received: keep={format_value(keep)}")
         lo, hi = state.min_sizes[keep], state.max_sizes[keep]
-        _split.resolve_bounds(state.global_batch, int(keep.sum()), lo.tolist(), hi.tolist())
+        resolve_bounds(state.global_batch, int(keep.sum()), lo.tolist(), hi.tolist())
         sizes = _split.split_proportionally(state.global_batch,
                                             np.maximum(state.sizes[keep], 1), lo, hi)
         stats = {k: v[keep] for k, v in self._stats_of(state).items()

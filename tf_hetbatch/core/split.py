@@ -11,22 +11,20 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from tf_hetbatch.core._validate import check_int, format_value
+from tf_hetbatch.core.bounds import Bounds, resolve_bounds
 
 logger = logging.getLogger(__name__)
-
-Bounds = Union[int, Sequence[int], None]
 
 __all__ = [
     "split_evenly",
     "split_proportionally",
     "validate_sizes",
-    "resolve_bounds",
     "water_fill",
     "equal_finish_level",
     "round_preserving_sum",
@@ -57,20 +55,9 @@ def split_evenly(total: int, parts: int) -> Tuple[int, ...]:
     return tuple(base + 1 if k < extra else base for k in range(parts))
 
 
-def _as_integral_array(name: str, value, num: int, allow_scalar: bool) -> np.ndarray:
-    """Converts `value` (int or sequence of ints) to an int64 array of length `num`."""
-    if allow_scalar and np.ndim(value) == 0:
-        items = [value] * num
-    else:
-        if np.ndim(value) != 1:
-            raise ValueError(
-                f"`{name}` must be {'an integer or ' if allow_scalar else ''}a 1-D sequence of "
-                f"{num} integers. Received: {name}={format_value(value)}")
-        items = list(value)
-        if len(items) != num:
-            raise ValueError(
-                f"`{name}` must have one entry per replica ({num}), got {len(items)}. "
-                f"Received: {name}={format_value(value)}")
+def _whole_numbers(name: str, value, num: int) -> np.ndarray:
+    """`value` (a 1-D sequence of `num` whole numbers >= 0) as an int64 array."""
+    items = list(value)
     if isinstance(value, np.ndarray) and value.dtype.kind in "iuf":
         # Fast path for numeric arrays (no booleans possible); errors go the slow way.
         arr = value
@@ -96,50 +83,6 @@ def _as_integral_array(name: str, value, num: int, allow_scalar: bool) -> np.nda
                              f"Received: {name}={format_value(value)}")
         out[k] = int(as_float)
     return out
-
-
-def resolve_bounds(total: int, num: int, min_sizes: Bounds = None,
-                   max_sizes: Bounds = None) -> Tuple[np.ndarray, np.ndarray]:
-    """Validates per-replica bounds and returns them as int64 arrays.
-
-    Args:
-        total: the global batch size the bounds must admit.
-        num: the number of replicas.
-        min_sizes: None (0), an int for every replica, or a sequence of `num` ints.
-        max_sizes: None (`total`), an int for every replica, or a sequence of `num` ints.
-
-    Returns:
-        `(lo, hi)`, int64 arrays of length `num` with `lo <= hi`, `sum(lo) <= total <= sum(hi)`.
-        `hi` is capped at `total`.
-
-    Raises:
-        ValueError: on negative or non-integral bounds, wrong lengths, `min > max`, or bounds
-            that no split of `total` can satisfy.
-    """
-    lo = np.zeros(num, np.int64) if min_sizes is None else _as_integral_array(
-        "min_sizes", min_sizes, num, allow_scalar=True)
-    hi = np.full(num, total, np.int64) if max_sizes is None else _as_integral_array(
-        "max_sizes", max_sizes, num, allow_scalar=True)
-    hi = np.minimum(hi, total)
-    bad = np.flatnonzero(lo > hi)
-    if bad.size:
-        k = int(bad[0])
-        raise ValueError(
-            f"`min_sizes` must not exceed `max_sizes` (capped at the total {total}); replica {k} "
-            f"has min {int(lo[k])} > max {int(hi[k])}. Received: "
-            f"min_sizes={format_value(min_sizes)}, max_sizes={format_value(max_sizes)}. "
-            "Lower min_sizes or raise max_sizes.")
-    if int(lo.sum()) > total:
-        raise ValueError(
-            f"`min_sizes` must sum to at most the total {total}. Received: "
-            f"min_sizes={format_value(min_sizes)} (sum {int(lo.sum())} over {num} replicas). "
-            "Lower min_sizes or raise the global batch size.")
-    if int(hi.sum()) < total:
-        raise ValueError(
-            f"`max_sizes` must sum to at least the total {total}. Received: "
-            f"max_sizes={format_value(max_sizes)} (sum {int(hi.sum())} over {num} replicas). "
-            "Raise max_sizes or lower the global batch size.")
-    return lo, hi
 
 
 def water_fill(total: float, offsets: np.ndarray, slopes: np.ndarray, lo: np.ndarray,
@@ -350,7 +293,7 @@ def validate_sizes(sizes: ArrayLike, num_replicas: int,
         raise ValueError(f"`batch_sizes` must have one entry per replica ({num_replicas}), got "
                          f"{len(sizes)}. Received: batch_sizes={format_value(sizes)}")
     try:
-        out = _as_integral_array("batch_sizes", sizes, num_replicas, allow_scalar=False)
+        out = _whole_numbers("batch_sizes", sizes, num_replicas)
     except ValueError as err:
         raise ValueError(str(err)) from None
     if global_batch is not None:

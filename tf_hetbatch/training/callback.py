@@ -31,10 +31,10 @@ import numpy as np
 from tf_hetbatch.core import controllers as _controllers
 from tf_hetbatch.core import split as _split
 from tf_hetbatch.core._validate import check_int, format_value
+from tf_hetbatch.core.bounds import (Bounds, check_bound, check_bounds_order, plain_bounds,
+                                     resolve_bounds)
 from tf_hetbatch.distribute.strategy import StepCounter, hetero_strategy_of
 from tf_hetbatch.dashboards.balance_board import BalanceBoard
-from tf_hetbatch.training.batch_bounds import (Bounds, check_bounds, check_bounds_admit,
-                                               check_bounds_order, plain_bounds)
 from tf_hetbatch.training.controller_setup import (controller_config, controller_from_config,
                                                    make_controller)
 from tf_hetbatch.training.measurement_window import MeasurementWindow, WindowMeasurement
@@ -97,8 +97,9 @@ class DynamicBatching(keras.callbacks.Callback):
             `tf_hetbatch.core.protocols.Controller`: `init(sizes)` and
             `update(state, sizes, times, step_time=None) -> (sizes, state)` (it keeps its
             own bounds).
-        min_sizes: smallest batch per replica, int or one int per replica. Default 1.
-        max_sizes: largest batch per replica, int, one int per replica, or None (B).
+        min_sizes: smallest batch per replica, int or one int per replica (>= 0). Default 1.
+        max_sizes: largest batch per replica, int, one int per replica, or None (B). A max of
+            0 (with a min of 0) keeps a replica out of the split: it gets empty batches.
         warmup_steps: steps at the start of every `fit` left unmeasured (tracing). Default 5.
             Asynchronous training also waits until every worker finished 2 updates.
         interval: steps per measurement window (>= 1). Default 10.
@@ -152,8 +153,8 @@ class DynamicBatching(keras.callbacks.Callback):
     ) -> None:
         super().__init__()
         self.initial = check_initial(initial)
-        self.min_sizes = check_bounds("min_sizes", min_sizes, allow_none=False)
-        self.max_sizes = check_bounds("max_sizes", max_sizes, allow_none=True)
+        self.min_sizes = check_bound("min_sizes", min_sizes, allow_none=False)
+        self.max_sizes = check_bound("max_sizes", max_sizes, allow_none=True)
         check_bounds_order(self.min_sizes, self.max_sizes)
         self.controller = make_controller(controller, self.min_sizes, self.max_sizes)
         self._controller_arg = controller if isinstance(controller, str) or controller is None \
@@ -298,7 +299,7 @@ class DynamicBatching(keras.callbacks.Callback):
         num = strategy.num_parts
         # On every worker alike, before any collective; B may still be unknown (then the
         # first window gives it, see `_finish_static`).
-        check_bounds_admit(*self._bounds(), num, strategy.global_batch_size)
+        resolve_bounds(strategy.global_batch_size, num, *self._bounds())
         self._window = MeasurementWindow(strategy, self.warmup_steps)
         self._static = StaticSplitPolicy(self.initial, self.probe_steps, self._bounds())
         self._change_step = None  # the step of the last change of split, until it shows
@@ -358,7 +359,7 @@ class DynamicBatching(keras.callbacks.Callback):
         total = strategy.global_batch_size
         if total is None:
             total = int(round(float(np.sum(sizes))))
-            check_bounds_admit(*self._bounds(), num, total)
+            resolve_bounds(total, num, *self._bounds())
         self._apply_static(strategy, *self._static.from_window(total, num, times.throughput))
 
     def _apply_static(self, strategy, sizes, reason):

@@ -13,8 +13,8 @@ from typing import Any, Dict, Mapping, Optional
 
 from tf_hetbatch.core import controllers as _controllers
 from tf_hetbatch.core._validate import format_value
+from tf_hetbatch.core.bounds import Bounds, plain_bounds
 from tf_hetbatch.core.protocols import Controller
-from tf_hetbatch.training.batch_bounds import Bounds, bounds_arg, plain_bounds
 
 __all__ = ["CONTROLLERS", "make_controller", "controller_config", "controller_from_config"]
 
@@ -46,8 +46,8 @@ def make_controller(controller: Any, min_sizes: Bounds, max_sizes: Bounds) -> Co
             raise ValueError(
                 f"`controller` must be one of {tuple(CONTROLLERS)} or a controller object with "
                 f"init() and update(). Received: controller={controller!r}")
-        return CONTROLLERS[key](min_sizes=bounds_arg(min_sizes),
-                                max_sizes=bounds_arg(max_sizes))
+        return CONTROLLERS[key](min_sizes=plain_bounds(min_sizes),
+                                max_sizes=plain_bounds(max_sizes))
     if not (isinstance(controller, Controller) and callable(controller.init)
             and callable(controller.update)):
         raise TypeError(

@@ -16,8 +16,8 @@ import numpy as np
 
 from tf_hetbatch.core import split as _split
 from tf_hetbatch.core._validate import format_value
+from tf_hetbatch.core.bounds import Bounds
 from tf_hetbatch.core.protocols import SplitStrategy
-from tf_hetbatch.training.batch_bounds import Bounds
 
 logger = logging.getLogger(__name__)
 
