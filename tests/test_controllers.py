@@ -15,9 +15,9 @@ import pytest
 
 from tf_hetbatch.core._stats import t_quantile
 from tf_hetbatch.core.controllers import (ControllerConfig, ControllerState, ModelBasedController,
-                                          ProportionalController, equal_finish, level_fill)
+                                          ProportionalController, equal_finish)
 from tf_hetbatch.core.sim import ClusterModel, Slowdown, scenario, simulate
-from tf_hetbatch.core.split import split_evenly, split_proportionally, water_fill
+from tf_hetbatch.core.split import split_evenly, split_proportionally
 
 CONTROLLERS = [ProportionalController, ModelBasedController]
 STEPS = 600  # 60 windows of 10 steps
@@ -281,7 +281,7 @@ def test_affine_model_is_recovered_exactly_from_two_distinct_sizes():
     np.testing.assert_allclose(fitted_beta, beta, rtol=1e-6)
 
 
-def test_equal_finish_matches_water_filling_and_rounds_to_the_smallest_slowest_finish():
+def test_equal_finish_rounds_to_the_smallest_slowest_finish():
     rng = np.random.default_rng(0)
     for _ in range(200):
         k = int(rng.integers(1, 40))
@@ -289,9 +289,6 @@ def test_equal_finish_matches_water_filling_and_rounds_to_the_smallest_slowest_f
         lo = rng.integers(0, 5, k)
         hi = lo + rng.integers(1, 100, k)
         total = int(rng.integers(lo.sum(), hi.sum() + 1))
-        x = level_fill(float(total), alpha, beta, lo, hi)
-        np.testing.assert_allclose(x, water_fill(float(total), -alpha / beta, 1 / beta, lo, hi),
-                                   atol=1e-6)
         sizes = equal_finish(total, alpha, beta, lo, hi)
         assert sizes.sum() == total and np.all(sizes >= lo) and np.all(sizes <= hi)
         worst = np.max(alpha + beta * sizes)

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from tf_hetbatch.core.split import (equal_finish_level, round_preserving_sum, split_evenly,
-                                    split_proportionally, validate_sizes, water_fill)
+from tf_hetbatch.core.split import (equal_finish_fill, equal_finish_level, round_preserving_sum,
+                                    split_evenly, split_proportionally, validate_sizes,
+                                    water_fill)
 
 
 def _random_cases(n=300):
@@ -80,6 +81,23 @@ def test_equal_finish_level_is_the_finish_time_of_every_replica_with_a_share():
     # No fixed cost: the level is B / sum(rates), the proportional split's time.
     level, x = equal_finish_level(90.0, np.zeros(3), [10.0, 20.0, 0.0])
     assert level == pytest.approx(3.0) and x.tolist() == pytest.approx([30.0, 60.0, 0.0])
+
+
+def test_the_controllers_equal_finish_fill_is_water_filling():
+    # One level search (`_fill_level`) under both: in the finish time's units, as the
+    # controllers solve it, and in water-filling's offsets and slopes.
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        k = int(rng.integers(1, 40))
+        alpha, beta = rng.uniform(0, 0.2, k) * (rng.uniform(size=k) < 0.8), rng.uniform(
+            1e-3, 1e-2, k)
+        lo = rng.integers(0, 5, k)
+        hi = lo + rng.integers(0, 100, k)
+        total = float(rng.integers(lo.sum(), hi.sum() + 1))
+        x = equal_finish_fill(total, alpha, beta, lo, hi)
+        np.testing.assert_allclose(x, water_fill(total, -alpha / beta, 1 / beta, lo, hi),
+                                   atol=1e-6)
+        assert x.sum() == pytest.approx(total) and np.all(x >= lo) and np.all(x <= hi)
 
 
 def test_scalar_bounds_apply_to_every_replica():

@@ -379,35 +379,12 @@ def _level_ss(n, s1, s2) -> Tuple[np.ndarray, np.ndarray]:
     return ss, np.where(ok, n - 1.0, 0.0)
 
 
-def level_fill(total: float, alpha, beta, lo, hi) -> np.ndarray:
-    """Unrounded equal-finish split: b_k = clip((T - alpha_k) / beta_k, lo_k, hi_k) with
-    sum b_k = total (beta > 0; `split.water_fill` specialised to that, with an unstable sort:
-    the order within ties of breakpoints does not change T). Floats, O(K log K)."""
-    alpha, beta = np.asarray(alpha, np.float64), np.asarray(beta, np.float64)
-    lo, hi = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
-    rate = 1.0 / beta
-    points = np.concatenate([alpha + beta * lo, alpha + beta * hi])  # T where b_k leaves lo, hi
-    order = np.argsort(points, kind="quicksort")
-    points = points[order]
-    slope = np.cumsum(np.concatenate([rate, -rate])[order])
-    value = lo.sum() + np.concatenate([[0.0], np.cumsum(slope[:-1] * np.diff(points))])
-    j = int(np.searchsorted(value, total, side="left"))
-    if j == 0:
-        level = points[0]
-    elif j >= points.size:
-        level = points[-1]
-    else:
-        level = points[j - 1] + ((total - value[j - 1]) / slope[j - 1] if slope[j - 1] > 0
-                                 else 0.0)
-    return np.clip((level - alpha) * rate, lo, hi)
-
-
 def equal_finish(total: int, alpha, beta, lo, hi) -> np.ndarray:
     """Equal-finish split of t_k = alpha_k + beta_k * b_k under bounds, rounded to minimise
     the slowest finish time (int64 array summing to `total`)."""
     alpha, beta = np.asarray(alpha, np.float64), np.asarray(beta, np.float64)
     lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
-    x = level_fill(float(total), alpha, beta, lo, hi)
+    x = _split.equal_finish_fill(float(total), alpha, beta, lo, hi)
     sizes = _split.round_preserving_sum(
         x, total, lo, hi, priority=lambda base: -(alpha + beta * (base + 1)))
     # Rounding gave each replica at most one sample above its floor; one with a small beta
@@ -651,7 +628,8 @@ class _Controller:
         return _search.Search(
             state.search, stats, self.config, total, lo, hi,
             solve=lambda alpha, beta: equal_finish(total, alpha, beta, lo, hi),
-            fill=lambda alpha, beta: level_fill(float(total), alpha, beta, lo, hi))
+            fill=lambda alpha, beta: _split.equal_finish_fill(float(total), alpha, beta, lo,
+                                                              hi))
 
     def _stats_of(self, state: ControllerState) -> Dict[str, np.ndarray]:
         if all(k in state.stats and state.stats[k].shape == (state.num_replicas,)

@@ -27,6 +27,7 @@ __all__ = [
     "validate_sizes",
     "water_fill",
     "equal_finish_level",
+    "equal_finish_fill",
     "round_preserving_sum",
 ]
 
@@ -159,25 +160,53 @@ def _water_level(total, offsets, slopes, lo, hi) -> Tuple[np.ndarray, float]:
                                  np.ones(rest.sum()), lo[rest], hi[rest])
         return x, math.nan
     a, w, l, h = offsets[active], slopes[active], lo[active], hi[active]
-    need = total - fixed[~active].sum()
-    start = (l - a) / w            # below: entry sits at lo
-    stop = (h - a) / w             # above: entry sits at hi
-    points = np.concatenate([start, stop])
-    deltas = np.concatenate([w, -w])
-    order = np.argsort(points, kind="stable")
-    points, deltas = points[order], deltas[order]
-    slope_after = np.cumsum(deltas)
-    value = l.sum() + np.concatenate([[0.0], np.cumsum(slope_after[:-1] * np.diff(points))])
-    j = int(np.searchsorted(value, need, side="left"))
-    if j == 0:
-        lam = points[0]
-    elif j >= len(points):
-        lam = points[-1]
-    else:
-        s = slope_after[j - 1]
-        lam = points[j - 1] + ((need - value[j - 1]) / s if s > 0 else 0.0)
+    # Entry k leaves its lower bound at lam = (l - a) / w and reaches its upper at (h - a) / w.
+    lam = _fill_level(np.concatenate([(l - a) / w, (h - a) / w]), w, l.sum(),
+                      total - fixed[~active].sum())
     x[active] = np.clip(a + w * lam, l, h)
     return x, float(lam)
+
+
+def equal_finish_fill(total: float, alpha: ArrayLike, beta: ArrayLike, lo: ArrayLike,
+                      hi: ArrayLike) -> np.ndarray:
+    """The real-valued equal-finish split: x_k = clip((T - alpha_k) / beta_k, lo_k, hi_k) with
+    sum x_k = total, for replicas that finish `x_k` samples at `alpha_k + beta_k * x_k`.
+
+    `water_fill` in the finish time's own units (the level T is a time; all beta > 0), as the
+    controllers solve it every window: O(K log K), no iteration. Arguments are assumed valid:
+    `beta > 0`, `lo <= hi`, `sum(lo) <= total <= sum(hi)`.
+
+    Returns:
+        The float64 split.
+    """
+    alpha, beta = np.asarray(alpha, np.float64), np.asarray(beta, np.float64)
+    lo, hi = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
+    rate = 1.0 / beta
+    # Replica k leaves its lower bound at T = alpha_k + beta_k lo_k, reaches its upper at ...hi_k.
+    level = _fill_level(np.concatenate([alpha + beta * lo, alpha + beta * hi]), rate, lo.sum(),
+                        total)
+    return np.clip((level - alpha) * rate, lo, hi)
+
+
+def _fill_level(points: np.ndarray, rates: np.ndarray, floor: float, need: float) -> float:
+    """Water-filling's level: where sum_k clip(...) reaches `need`, exactly.
+
+    `points` are the 2K breakpoints of the entries (first the K where each leaves its lower
+    bound, then the K where each reaches its upper), `rates` how fast each grows in between,
+    `floor` the sum at the lowest breakpoint. The sum is piecewise linear between the sorted
+    breakpoints; the level is interpolated in its segment (an unstable sort: the order within
+    ties of breakpoints does not change the level).
+    """
+    order = np.argsort(points, kind="quicksort")
+    points = points[order]
+    slope = np.cumsum(np.concatenate([rates, -rates])[order])
+    value = floor + np.concatenate([[0.0], np.cumsum(slope[:-1] * np.diff(points))])
+    j = int(np.searchsorted(value, need, side="left"))
+    if j == 0:
+        return points[0]
+    if j >= points.size:
+        return points[-1]
+    return points[j - 1] + ((need - value[j - 1]) / slope[j - 1] if slope[j - 1] > 0 else 0.0)
 
 
 def round_preserving_sum(x: np.ndarray, total: int, lo: np.ndarray, hi: np.ndarray,
