@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tf_hetbatch.core.controllers import ModelBasedController, ProportionalController
+from tf_hetbatch.core.measurements import at_split, straddles_switch
 from tf_hetbatch.core.sim import (SCENARIOS, ClusterModel, Slowdown, best_split, ideal_split,
                                   scenario, simulate)
 
@@ -71,6 +72,24 @@ def test_changes_apply_after_the_lag_and_the_straddled_window_is_not_fed(lag):
     # The window after the decision straddles the switch when the lag is not 0.
     assert result.fed.tolist()[:3] == [True, True, lag == 0]
     assert len(result.reasons) == int(result.fed.sum())
+
+
+def test_no_window_that_started_before_a_long_lag_ended_is_fed():
+    # As DynamicBatching: a lag beyond a window leaves two windows unfed, the second mixed.
+    cluster = ClusterModel([0.0, 0.0], [0.001, 0.003])
+    result = simulate(ProportionalController(), cluster, 60, adjust_every=10,
+                      initial_sizes=[50, 50], switch_lag=15)
+    assert result.adjust_steps[0] == 35
+    assert result.fed.tolist()[:5] == [True, True, False, False, True]
+
+
+def test_a_window_straddles_a_switch_until_the_split_is_surely_in_force():
+    # Switch decided before step 20, lag 3: in force from step 23.
+    assert straddles_switch([40.0, 24.0], (48, 16), 20, 20, 3)
+    assert not straddles_switch([48.0, 16.0], (48, 16), 20, 20, 3)  # already at the split
+    assert not straddles_switch([40.0, 24.0], (48, 16), 23, 20, 3)  # started once in force
+    assert not straddles_switch([40.0, 24.0], (48, 16), 20, None, 3)  # no switch watched
+    assert at_split([48.0 + 1e-12, 16.0], (48, 16)) and not at_split([48.1, 15.9], (48, 16))
 
 
 def test_a_quota_is_spent_in_periods():

@@ -19,10 +19,11 @@ from statistics import NormalDist
 
 import numpy as np
 
-__all__ = ["t_quantile", "alarm_quantile", "detect"]
+__all__ = ["ROUNDING", "t_quantile", "alarm_quantile", "detect"]
 
-# Below sqrt(machine epsilon) of a value, a deviation from a prediction is rounding error.
-_ROUNDING = math.sqrt(np.finfo(np.float64).eps)
+# Below sqrt(machine epsilon) of its scale, a deviation from a prediction, a spread of sizes
+# or a predicted saving is rounding error of the sums it came from.
+ROUNDING = math.sqrt(np.finfo(np.float64).eps)
 
 # Above this many degrees of freedom the A&S 26.7.5 expansion is used instead of the exact
 # CDF (whose series has dof / 2 terms).
@@ -106,7 +107,7 @@ def detect(value, low, high, sd, q, held_sign):
     """
     value = np.asarray(value, np.float64)
     dev = value - np.clip(value, low, high)
-    z = dev / np.maximum(sd, _ROUNDING * np.abs(value))
+    z = dev / np.maximum(sd, ROUNDING * np.abs(value))
     flag = np.abs(z) > q
     change = flag & (np.sign(z) == held_sign) & (np.asarray(held_sign) != 0)
     return z, flag & ~change, change

@@ -61,6 +61,7 @@ from tf_hetbatch.core._stats import alarm_quantile, detect, t_quantile
 from tf_hetbatch.core._validate import format_value
 from tf_hetbatch.core.bounds import Bounds, check_bound, check_bounds_order, plain_bounds, \
     resolve_bounds
+from tf_hetbatch.core.measurements import at_split
 
 logger = logging.getLogger(__name__)
 
@@ -526,20 +527,20 @@ class _Controller:
         step_time = _step_time(step_time) if step_time is not None else None
         hi = state.max_sizes
         current = state.sizes
-        at_split = bool(np.allclose(sizes, current, rtol=_ROUNDING, atol=_ROUNDING))
+        here = at_split(sizes, current)
         race = self._search(state, state.stats, hi)
-        if searching and at_split:
+        if searching and here:
             race.observe(step_time)
         # A change the step time shows: the replicas it came from (during a race no replica
         # stays at one size for its level to show it) start again from this window.
         stats, fit, changed, accepted, notes = self._learn(
-            state, sizes, times, race.arm_level() if at_split else None, race.arm_levels(),
+            state, sizes, times, race.arm_level() if here else None, race.arm_levels(),
             race.changed)
-        if at_split:
+        if here:
             race.add_times(times, accepted)
         if changed.any() or race.changed:
             race.restart(step_time_changed=race.changed)
-            if searching and at_split:  # the step times start again from the confirming window
+            if searching and here:  # the step times start again from the confirming window
                 race.observe(step_time)
             notes.append("change on " + (f"replica(s) {np.flatnonzero(changed).tolist()}"
                                          if changed.any() else "the step time"))
@@ -549,7 +550,7 @@ class _Controller:
             reason = "kept: no valid measurement yet"
         elif out_of_bounds:
             target, reason, _ = self._decide(state, fit, hi, race, forced=True)
-        elif not at_split:
+        elif not here:
             reason = "kept: the window straddles a switch"
         elif searching and (back := race.judge(current)) is not None:
             target = back

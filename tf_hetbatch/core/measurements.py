@@ -5,15 +5,21 @@
   turn into throughputs. How the time is taken is in `tf_hetbatch.distribute.timing`.
 - `Staleness`: per worker of asynchronous training, a histogram of how stale its updates were
   (`HeteroParameterServerStrategy.read_staleness`).
+- `at_split`, `straddles_switch`: the one rule for a measurement window around a switch of
+  split (`DynamicBatching`, the simulator and the controllers use it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import numpy as np
+from numpy.typing import ArrayLike
 
-__all__ = ["ReplicaTimes", "Staleness"]
+from tf_hetbatch.core._stats import ROUNDING
+
+__all__ = ["ReplicaTimes", "Staleness", "at_split", "straddles_switch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,3 +116,36 @@ class Staleness:
 
     def __sub__(self, other: "Staleness") -> "Staleness":
         return Staleness(self.histogram - other.histogram)
+
+
+def at_split(samples_per_step: ArrayLike, split: ArrayLike) -> bool:
+    """Whether a window's mean samples per step of every replica are those of `split` (up to
+    the rounding of the sums): the window ran at that split only.
+
+    Example:
+        >>> at_split([48.0, 16.0], (48, 16)), at_split([40.0, 24.0], (48, 16))
+        (True, False)
+    """
+    return bool(np.allclose(samples_per_step, split, rtol=ROUNDING, atol=ROUNDING))
+
+
+def straddles_switch(samples_per_step: ArrayLike, split: ArrayLike, window_start: int,
+                     switched_at: Optional[int], switch_lag: int) -> bool:
+    """Whether a measurement window may mix the split before a switch and `split` after it.
+
+    A switch decided before step `switched_at` is surely in force from step
+    `switched_at + switch_lag` (the input pipeline runs ahead). A window that started before
+    that and whose samples per step are not `split`'s straddles the switch: its step time
+    mixes two splits, so it is not fed to a controller. A window that does not straddle ends
+    the watch (the caller forgets `switched_at`): the split is in force from then on.
+
+    Args:
+        samples_per_step: the window's mean samples per step of every replica.
+        split: the split decided last.
+        window_start: the window's first step.
+        switched_at: the first step after the last switch was decided, None if none is
+            watched.
+        switch_lag: steps until a switch is surely in force (`switch_lag_steps`).
+    """
+    return switched_at is not None and window_start < switched_at + switch_lag and not \
+        at_split(samples_per_step, split)

@@ -13,9 +13,10 @@ controller"):
 - a collective that waits for the slowest worker: the collective's CPU work of a throttled
   replica is stretched (and quantised) too, and it shows in the step time only, not in the
   measured compute times (from a replica's release to its gradients being ready);
-- the lag of a switch and the window straddling it: new sizes apply `switch_lag` steps after
-  the decision, and, as `DynamicBatching` does, the first window after a change is not fed to
-  the controller unless its samples per step already equal the new split;
+- the lag of a switch and the windows straddling it: new sizes apply `switch_lag` steps after
+  the decision, and, as `DynamicBatching` does, a window that started before then is not fed
+  to the controller unless its samples per step already equal the new split
+  (`measurements.straddles_switch`);
 - per-step noise: every replica-step's work is scaled by a uniform draw in
   [1 - noise, 1 + noise].
 
@@ -42,6 +43,7 @@ from numpy.typing import ArrayLike
 
 from tf_hetbatch.core import split as _split
 from tf_hetbatch.core._validate import check_int, format_value
+from tf_hetbatch.core.measurements import straddles_switch
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +262,7 @@ class SimResult:
         settled_step_times: per window, the noise-free step time of the split the controller
             settled on after that window (`ControllerState.settled_sizes`), at the step after.
         window_best_times: per window, `best_step_times` at the step after it.
-        fed: per window, whether the controller got it (False: it straddled a change).
+        fed: per window, whether the controller got it (False: it straddled a switch).
         final_state: the controller's last state (None without a controller).
     """
 
@@ -370,7 +372,8 @@ def simulate(controller, cluster: ClusterModel, steps: int, adjust_every: int = 
     reasons: List[str] = []
     windows = {k: [] for k in ("step", "settled", "best", "fed")}
     win_b, win_t, win_s, win_n = np.zeros(num), np.zeros(num), 0.0, 0
-    pending, pending_at, first_after_change = None, 0, False
+    # The split decided last in force from `pending_at`; the first step after the decision.
+    pending, pending_at, switched_at = None, 0, None
     best = ideal = flow = 0.0
 
     def scatter(values):
@@ -416,18 +419,16 @@ def simulate(controller, cluster: ClusterModel, steps: int, adjust_every: int = 
             continue
         mean_b = win_b[alive] / win_n
         split = (pending if pending is not None else sizes)[alive]
-        straddled = first_after_change and not np.allclose(mean_b, split, rtol=0, atol=1e-9)
-        first_after_change = False
+        straddled = straddles_switch(mean_b, split, step + 1 - win_n, switched_at, switch_lag)
         if not straddled:
+            switched_at = None
             new, state = controller.update(state, mean_b, win_t[alive] / win_n,
                                            step_time=win_s / win_n if step_time else None)
             reasons.append(state.reason)
             new = np.asarray(new, np.int64)
             if not np.array_equal(new, split):
-                pending, pending_at = scatter(new), step + 1 + switch_lag
-                first_after_change = True
-                if switch_lag == 0:
-                    pending_at = step + 1
+                pending, switched_at = scatter(new), step + 1
+                pending_at = switched_at + switch_lag
         nxt = min(step + 1, steps - 1)
         settled = scatter(np.asarray(state.settled_sizes, np.int64))
         windows["step"].append(step)

@@ -33,6 +33,7 @@ from tf_hetbatch.core import split as _split
 from tf_hetbatch.core._validate import check_int, format_value
 from tf_hetbatch.core.bounds import (Bounds, check_bound, check_bounds_order, plain_bounds,
                                      resolve_bounds)
+from tf_hetbatch.core.measurements import straddles_switch
 from tf_hetbatch.distribute.strategy import StepCounter, hetero_strategy_of
 from tf_hetbatch.dashboards.balance_board import BalanceBoard
 from tf_hetbatch.training.controller_setup import (controller_config, controller_from_config,
@@ -398,12 +399,9 @@ class DynamicBatching(keras.callbacks.Callback):
         # A replica whose compute is shorter than the clock's resolution can read 0 (or, its
         # start stamp run late, slightly below): "not measured" for the controller and dashboards.
         secs = np.maximum(np.nan_to_num(times.time_per_step, nan=0.0), 0.0)
-        settled = self._sizes is not None and np.allclose(sizes, self._sizes, rtol=0, atol=1e-9)
-        # A window that may mix the old and the new split: it started before the new split was
-        # surely in force, and its samples are not the new split's.
-        straddles = (self._change_step is not None and not settled
-                     and self._global_step - measured.steps < self._change_step + self._switch_lag)
-        if settled or not straddles:
+        straddles = straddles_switch(sizes, self._sizes, self._global_step - measured.steps,
+                                     self._change_step, self._switch_lag)
+        if not straddles:
             self._change_step = None
         used = False
         idle = np.flatnonzero(np.asarray(times.steps) <= 0)
