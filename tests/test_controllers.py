@@ -15,7 +15,9 @@ import pytest
 
 from tf_hetbatch.core._stats import t_quantile
 from tf_hetbatch.core.controllers import (ControllerConfig, ControllerState, ModelBasedController,
-                                          ProportionalController, equal_finish)
+                                          ProportionalController)
+from tf_hetbatch.core.move import equal_finish
+from tf_hetbatch.core.search_state import Phase
 from tf_hetbatch.core.sim import ClusterModel, Slowdown, scenario, simulate
 from tf_hetbatch.core.split import split_evenly, split_proportionally
 
@@ -136,7 +138,7 @@ def test_the_step_time_undoes_a_rule_move_it_shows_slower():
         def update(self, state, sizes, times, step_time=None):
             state = self.state_from_dict(json.loads(json.dumps(state.to_dict(),
                                                                allow_nan=False)))
-            seen.update(k for k in ("fallback", "vetoed") if state.search.get(k))
+            seen.update(k for k in ("fallback", "vetoed") if getattr(state.search, k))
             return super().update(state, sizes, times, step_time=step_time)
 
     for seed in range(3):
@@ -216,10 +218,10 @@ def test_state_round_trip_through_json_mid_search_gives_identical_decisions(cls)
     phases = set()
     for _ in range(40):
         _, state = ctrl.update(state, *window(state)[:2], step_time=window(state)[2])
-        phases.add(state.search.get("phase"))
-        if state.search.get("phase") == "racing":
+        phases.add(state.search.phase)
+        if state.search.phase is Phase.RACING:
             break
-    assert "racing" in phases, state.reason
+    assert Phase.RACING in phases, state.reason
     restored = cls.state_from_dict(json.loads(json.dumps(state.to_dict(), allow_nan=False)))
     assert isinstance(restored, ControllerState)
     assert restored.to_dict() == state.to_dict()
@@ -233,9 +235,12 @@ def test_state_round_trip_through_json_mid_search_gives_identical_decisions(cls)
 
 def test_a_state_without_this_versions_models_starts_them_afresh():
     ctrl = ModelBasedController()
-    old = ControllerState(64, [32, 32], [1, 1], [64, 64], stats={"throughput": [1.0, 2.0]})
+    old = ControllerState.from_dict({"global_batch": 64, "sizes": [32, 32], "min_sizes": [1, 1],
+                                     "max_sizes": [64, 64], "updates": 3, "adjustments": 0,
+                                     "reason": "kept", "stats": {"throughput": [1.0, 2.0]}})
+    assert old.replica_stats is None
     sizes, state = ctrl.update(old, [32, 32], [0.1, 0.3])
-    assert sum(sizes) == 64 and "s0" in state.stats
+    assert sum(sizes) == 64 and state.replica_stats.sums.weight.tolist() == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("cls", CONTROLLERS)
@@ -246,7 +251,8 @@ def test_remove_replicas_resplits_the_global_batch_over_survivors(cls):
         _, state = ctrl.update(state, state.sizes, [0.1, 0.2, 0.3, 0.4], step_time=0.5)
     sizes, state = ctrl.remove_replicas(state, np.array([True, False, True, True]))
     assert sum(sizes) == 120 and len(sizes) == 3 and max(sizes) <= 60
-    assert all(v.shape[0] == 3 for v in state.stats.values())
+    stats = state.replica_stats
+    assert all(v.shape == (3,) for record in (stats.sums, stats.levels) for v in record)
     new, _ = ctrl.update(state, np.asarray(sizes, float), [0.1, 0.3, 0.4], step_time=0.5)
     assert sum(new) == 120
     with pytest.raises(ValueError, match="max_sizes"):
@@ -262,7 +268,7 @@ def test_a_replica_at_a_few_samples_borrows_the_shape_of_the_identified_models()
     for s in [[4, 62, 62], [4, 56, 68], [4, 68, 56], [4, 60, 64]] * 2:
         t = [0.036 + 0.0011 * b for b in s]
         state = ctrl.update(state, s, t)[1].replace(sizes=np.asarray(s, np.int64))
-    alpha, beta, has_slope = ctrl.fit(state)
+    alpha, beta, has_slope = ctrl.time_models(state)
     assert has_slope.tolist() == [False, True, True]
     np.testing.assert_allclose(beta, 0.0011, rtol=1e-6)
     np.testing.assert_allclose(alpha, 0.036, rtol=1e-6)
@@ -275,7 +281,7 @@ def test_affine_model_is_recovered_exactly_from_two_distinct_sizes():
     for _ in range(4):
         sizes = np.array(state.sizes, float)
         _, state = ctrl.update(state, sizes, alpha + beta * sizes)
-    fitted_alpha, fitted_beta, has_slope = ctrl.fit(state)
+    fitted_alpha, fitted_beta, has_slope = ctrl.time_models(state)
     assert has_slope.all()
     np.testing.assert_allclose(fitted_alpha, alpha, rtol=1e-6)
     np.testing.assert_allclose(fitted_beta, beta, rtol=1e-6)

@@ -1,4 +1,5 @@
-"""The controllers' statistics: Student-t quantiles and the shared change detector.
+"""The controllers' statistics: Student-t quantiles, the shared change detector, and the
+sums of windows everything is estimated from (`WindowSums`).
 
 Pure Python + numpy, no scipy.
 
@@ -16,14 +17,41 @@ from __future__ import annotations
 import functools
 import math
 from statistics import NormalDist
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["ROUNDING", "t_quantile", "alarm_quantile", "detect"]
+__all__ = ["ROUNDING", "WindowSums", "t_quantile", "alarm_quantile", "detect"]
 
 # Below sqrt(machine epsilon) of its scale, a deviation from a prediction, a spread of sizes
 # or a predicted saving is rounding error of the sums it came from.
 ROUNDING = math.sqrt(np.finfo(np.float64).eps)
+
+
+class WindowSums(NamedTuple):
+    """Windows of one measured value: their count, sum and sum of squares.
+
+    Scalars (the log step times of a split) or arrays of the same shape (a replica's compute
+    times, e.g. per replica and arm).
+    """
+
+    count: Any
+    sum: Any
+    sum_sq: Any
+
+    @property
+    def mean(self) -> Any:
+        return self.sum / self.count
+
+    @property
+    def squared_deviations(self) -> Any:
+        """Of the windows from their mean."""
+        return self.sum_sq - self.sum * self.sum / self.count
+
+    def add(self, value: float) -> "WindowSums":
+        """These windows and one more (scalars)."""
+        return WindowSums(self.count + 1, self.sum + value, self.sum_sq + value * value)
+
 
 # Above this many degrees of freedom the A&S 26.7.5 expansion is used instead of the exact
 # CDF (whose series has dof / 2 terms).

@@ -48,166 +48,96 @@ value on every worker) and keeps the winner:
   a change (the time models were wrong about what the step time sees, e.g. a quota's
   staircase read as a slope).
 
-State: a small JSON-compatible dict in `ControllerState.search`; the per-replica arrays (the
-race's models and its arms' splits, the fallback's split) in `ControllerState.stats` under
-`search_*`.
+State: `search_state.SearchState` (`ControllerState.search`), typed records.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
 from tf_hetbatch.core import split as _split
-from tf_hetbatch.core._stats import alarm_quantile, detect, t_quantile
+from tf_hetbatch.core._stats import WindowSums, alarm_quantile, detect, t_quantile
+from tf_hetbatch.core.move import SWITCH_WINDOWS, rounded_equal_finish
+from tf_hetbatch.core.search_state import Held, MeasuredSplit, Phase, Race, SearchState
 
-__all__ = ["Search", "plain", "settled", "ARRAYS"]
+__all__ = ["Search"]
 
 # Windows one visit of a candidate costs: the one straddling the switch, the one measured.
-VISIT_WINDOWS = 2
-# Windows a switch leaves unmeasured (see controllers.SWITCH_WINDOWS).
-_SWITCH_WINDOWS = VISIT_WINDOWS - 1
+VISIT_WINDOWS = SWITCH_WINDOWS + 1
 # Windows after a rule's move before the step time may judge it: two in a row, as the
 # change detector (one window may be an outlier).
 _JUDGED_AFTER = 2
-IDLE, RACING, HOLDING = "idle", "racing", "holding"
-# Per-replica arrays of a race, kept in `ControllerState.stats` (first axis = replica).
-# (The levels: each replica's windows at each arm, count / time / time squared, so the
-# shared detector compares a replica's window with its windows at the same size in a race.)
-_RACE_ARRAYS = ("search_alpha", "search_beta", "search_splits", "search_level_n",
-                "search_level_t", "search_level_tt")
-_LEVELS = _RACE_ARRAYS[3:]
-ARRAYS = _RACE_ARRAYS + ("search_fallback",)
-
-
-def plain(value: Any) -> Any:
-    """A JSON-compatible deep copy (numpy arrays and scalars to lists, ints, floats)."""
-    if isinstance(value, Mapping):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, np.ndarray)):
-        return [plain(v) for v in value]
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, (float, np.floating)):
-        return float(value)
-    return value
-
-
-def settled(state: Mapping[str, Any], stats: Mapping[str, np.ndarray]) -> Optional[np.ndarray]:
-    """The split a race would keep now (None when no race runs)."""
-    race = state.get("race")
-    if state.get("phase") != RACING or not race or "search_splits" not in stats:
-        return None
-    return np.rint(stats["search_splits"][:, race["settled"]]).astype(np.int64)
-
-
-def _cell():
-    return {"n": 0, "s1": 0.0, "s2": 0.0}
-
-
-def _add(cell, y: float) -> None:
-    cell["n"] += 1
-    cell["s1"] += y
-    cell["s2"] += y * y
+_NONE = WindowSums(0, 0.0, 0.0)
 
 
 class Search:
     """One update's view of the search (mutable here; `to_state` gives the new state).
 
     Args:
-        state: `ControllerState.search` (a dict; empty for a fresh search).
-        arrays: `ControllerState.stats`, where the per-replica arrays of a race live.
+        state: the `SearchState` before the update (not changed: a race is copied).
         config: the controller's `ControllerConfig`.
         total, lo, hi: the global batch and the bounds.
-        solve: `solve(alpha, beta)`, the controller's equal-finish split within the bounds.
-        fill: `fill(alpha, beta)`, the same before rounding (floats).
     """
 
-    def __init__(self, state, arrays, config, total, lo, hi, solve, fill):
-        state = dict(state or {})
-        self.phase = state.get("phase", IDLE)
-        self.tilt = int(state.get("tilt", 0))
-        self.held_sign = float(state.get("held_sign", 0.0))
-        # The step time's noise pooled over the races since its last change: squared
-        # deviations of windows at a repeated split from their mean, and their count.
-        self.noise_ss = float(state.get("noise_ss", 0.0))
-        self.noise_dof = float(state.get("noise_dof", 0.0))
-        self.base = dict(state["base"]) if state.get("base") else None
-        self.held = dict(state["held"]) if state.get("held") else None
+    def __init__(self, state: SearchState, config, total: int, lo, hi):
+        self.phase, self.tilt, self.held_sign = state.phase, state.tilt, state.held_sign
+        self.noise_ss, self.noise_dof = state.noise_ss, state.noise_dof
+        self.base, self.held, self.vetoed = state.base, state.held, state.vetoed
         # The fastest split measured since the last change that a rule's move left (its
-        # windows; its split in `arrays`), and whether the controller went back to it (`judge`).
-        self.fallback = dict(state["fallback"], split=np.rint(
-            arrays["search_fallback"]).astype(np.int64)) if state.get("fallback") and \
-            "search_fallback" in arrays else None
-        self.vetoed = bool(state.get("vetoed", False))
-        race = state.get("race")
-        self.race = {k: (list(v) if isinstance(v, list) else v) for k, v in race.items()} \
-            if race else None
-        if self.race is not None and all(k in arrays for k in _RACE_ARRAYS):
-            self.alpha = np.asarray(arrays["search_alpha"], np.float64)
-            self.beta = np.asarray(arrays["search_beta"], np.float64)
-            self.splits = np.rint(arrays["search_splits"]).astype(np.int64)
-            self.levels = [np.array(arrays[k], np.float64) for k in _LEVELS]
-        elif self.race is not None:  # a race without its arrays: start afresh
-            self.phase, self.race = IDLE, None
-        self.cfg, self.total, self.solve, self.fill = config, int(total), solve, fill
+        # windows), and whether the controller went back to it (`judge`).
+        self.fallback = state.fallback
+        self.race: Optional[Race] = None if state.race is None else state.race.copy()
+        self.cfg, self.total = config, int(total)
         self.lo, self.hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
-        self.changed = False
+        self.changed = False  # the step time's detector saw a change (`observe`)
         self._fills: Dict[int, np.ndarray] = {}
 
     @property
     def racing(self) -> bool:
-        return self.phase == RACING
+        return self.phase is Phase.RACING
 
-    def to_state(self) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
-        """(the new `ControllerState.search`, its per-replica arrays for `stats`)."""
-        fallback = self.fallback
-        state = plain({"phase": self.phase, "tilt": self.tilt, "held_sign": self.held_sign,
-                       "noise_ss": self.noise_ss, "noise_dof": self.noise_dof,
-                       "base": self.base, "race": self.race, "held": self.held,
-                       "fallback": None if fallback is None else
-                       _counts(fallback), "vetoed": self.vetoed})
-        arrays = {} if fallback is None else {
-            "search_fallback": fallback["split"].astype(np.float64)}
-        if not self.racing:
-            return state, arrays
-        return state, {"search_alpha": self.alpha, "search_beta": self.beta,
-                       "search_splits": self.splits.astype(np.float64),
-                       **dict(zip(_LEVELS, self.levels)), **arrays}
+    def to_state(self) -> SearchState:
+        """The new `ControllerState.search`."""
+        return SearchState(self.phase, self.tilt, self.held_sign, self.noise_ss, self.noise_dof,
+                           self.base, self.race if self.racing else None, self.held,
+                           self.fallback, self.vetoed)
 
     # ----- splits -----------------------------------------------------------------------
     def _theta(self, num: int) -> float:
         """Samples' worth of unseen work per tilt step."""
         return self.cfg.search_step * self.total / num
 
-    def tilted(self, alpha, beta) -> np.ndarray:
-        """The models' equal-finish split at the tilt the last race kept."""
+    def tilted(self, alpha, beta) -> Tuple[np.ndarray, np.ndarray]:
+        """The models' equal-finish split at the tilt the last race kept, and that split
+        before rounding (`start` takes it)."""
         alpha, beta = np.asarray(alpha, np.float64), np.asarray(beta, np.float64)
         shifted = alpha + self.tilt * self._theta(alpha.size) * beta
-        self._rule = (alpha, beta, self.fill(shifted, beta))  # reused by `start`
-        return self.solve(shifted, beta)
+        fill = _split.equal_finish_fill(float(self.total), shifted, beta, self.lo, self.hi)
+        return rounded_equal_finish(fill, self.total, shifted, beta, self.lo, self.hi), fill
 
     def _fill(self, d: int) -> np.ndarray:
         """The race models' unrounded equal-finish split at tilt d (each computed once)."""
         if d not in self._fills:
-            theta = self._theta(self.alpha.size)
-            self._fills[d] = self.fill(self.alpha + d * theta * self.beta, self.beta)
+            race = self.race
+            theta = self._theta(race.alpha.size)
+            self._fills[d] = _split.equal_finish_fill(
+                float(self.total), race.alpha + d * theta * race.beta, race.beta, self.lo,
+                self.hi)
         return self._fills[d]
 
     def _arm_split(self, d: int) -> np.ndarray:
         """The incumbent moved as the models' unrounded split moves from the incumbent's
         tilt to d steps of unseen work: on equal replicas that is no move at all."""
-        shift = self._fill(d) - self._fill(self.race["incumbent"])
+        shift = self._fill(d) - self._fill(self.race.incumbent)
         x = self.incumbent_split().astype(np.float64) + shift
         return _split.round_preserving_sum(x, self.total, self.lo, self.hi)
 
     def incumbent_split(self) -> np.ndarray:
         """The split a race started from (and goes back to unless beaten)."""
-        return self.splits[:, self.race["arms"].index(self.race["incumbent"])]
+        return self.race.splits[:, self.race.arms.index(self.race.incumbent)]
 
     def _in_bounds(self, split) -> bool:
         return bool(np.all(split >= self.lo) and np.all(split <= self.hi))
@@ -218,54 +148,50 @@ class Search:
         take as long as `fastest`, the best step time measured so far."""
         if self._known(split) or not self._in_bounds(split):
             return False
-        return float(np.max(self.alpha + self.beta * split)) < fastest
+        return float(np.max(self.race.alpha + self.race.beta * split)) < fastest
 
     def _known(self, split) -> bool:
-        return bool(np.any(np.all(self.splits == split[:, None], axis=0)))
+        return bool(np.any(np.all(self.race.splits == split[:, None], axis=0)))
 
     # ----- measurements -----------------------------------------------------------------
-    def arm_level(self):
-        """Each replica's (count, time, time squared) of its windows at the arm in force, or
-        None outside a race."""
-        if not self.racing or self.race["at"] < 0:
+    def current_arm_levels(self) -> Optional[WindowSums]:
+        """Each replica's windows (compute times) at the arm in force, or None outside a
+        race."""
+        if not self.racing or self.race.at < 0:
             return None
-        return tuple(level[:, self.race["at"]] for level in self.levels)
+        return WindowSums(*(level[:, self.race.at] for level in self.race.levels))
 
-    def arm_levels(self):
-        """(count, time, time squared) of every replica's windows at every arm (arrays K x
-        arms), or None outside a race."""
-        return tuple(self.levels) if self.racing else None
+    def all_arm_levels(self) -> Optional[WindowSums]:
+        """Each replica's windows at every arm (arrays K x arms), or None outside a race."""
+        return self.race.levels if self.racing else None
 
     def add_times(self, times, accepted) -> None:
         """A window's per-replica times at the arm in force (those `accepted` by the
         detector) into that arm's levels."""
-        if self.arm_level() is None:
+        if self.current_arm_levels() is None:
             return
-        j, accepted = self.race["at"], np.asarray(accepted, bool)
-        for level, value in zip(self.levels, (1.0, times, np.square(times))):
+        j, accepted = self.race.at, np.asarray(accepted, bool)
+        for level, value in zip(self.race.levels, (1.0, times, np.square(times))):
             level[:, j] += np.where(accepted, value, 0.0)
 
     def observe(self, step_time: float) -> None:
         """One window's mean step time, measured at the split in force."""
         y = math.log(step_time)
-        if self.phase == IDLE:  # windows at the split in force, for the next race's incumbent
-            self.base = self.base or _cell()
-            _add(self.base, y)
+        if self.phase is Phase.IDLE:  # windows at the split in force, the next incumbent's
+            self.base = (_NONE if self.base is None else self.base).add(y)
             return
-        race = self.race
-        if self.phase == RACING:
-            j = race["at"]
+        if self.racing:
+            j = self.race.at
             if j < 0:
                 return
-            cell = self._arm_cell(j)
+            windows = self.race.windows[j]
             noise, dof = self._pooled()
         else:
-            cell = self.held
-            noise, dof = self.held["noise"], self.held["dof"]
+            windows, noise, dof = self.held
         q = alarm_quantile(self.cfg.false_move_rate, 1, dof)
-        if cell["n"] >= 1 and math.isfinite(q):
-            mean = cell["s1"] / cell["n"]
-            sd = math.sqrt(noise * (1.0 + 1.0 / cell["n"]))
+        if windows.count >= 1 and math.isfinite(q):
+            mean = windows.mean
+            sd = math.sqrt(noise * (1.0 + 1.0 / windows.count))
             z, outlier, change = detect(y, mean, mean, sd, q, self.held_sign)
             if bool(change):
                 self.changed = True
@@ -274,11 +200,10 @@ class Search:
                 self.held_sign = float(np.sign(z))
                 return
         self.held_sign = 0.0
-        if self.phase == RACING:
-            for key, value in (("n", 1), ("s1", y), ("s2", y * y)):
-                race[key][j] += value
+        if self.racing:
+            self.race.windows[j] = windows.add(y)
         else:
-            _add(self.held, y)
+            self.held = self.held._replace(windows=windows.add(y))
 
     # ----- transitions ------------------------------------------------------------------
     def restart(self, changed: bool = True, leaving: Optional[np.ndarray] = None,
@@ -292,32 +217,34 @@ class Search:
             self.fallback = None
         else:
             left = self._measured(leaving)
-            if left is not None and (self.fallback is None or _mean(left) < _mean(self.fallback)):
+            if left is not None and (self.fallback is None
+                                     or left.windows.mean < self.fallback.windows.mean):
                 self.fallback = left
         if changed and step_time_changed:
             self.noise_ss = self.noise_dof = 0.0
         elif self.racing:  # the race's noise joins the pool, as a finished race's does
             noise, dof = self._pooled()
             self.noise_ss, self.noise_dof = noise * dof, dof
-        self.phase, self.base, self.race, self.held, self.held_sign = IDLE, None, None, None, 0.0
+        self.phase, self.base, self.race, self.held, self.held_sign = \
+            Phase.IDLE, None, None, None, 0.0
         self.vetoed = False
 
-    def _measured(self, current: Optional[np.ndarray]) -> Optional[Dict[str, Any]]:
+    def _measured(self, current: Optional[np.ndarray]) -> Optional[MeasuredSplit]:
         """The split the step time has measured now (`current` outside a race; in a race its
         best arm) with its windows, or None."""
         if self.racing:
             b = self._best()
             if b is None:
                 return None
-            return {"split": self.splits[:, b].copy(), **self._arm_cell(b)}
-        cell = self.held if self.phase == HOLDING else self.base
-        if current is None or not cell or cell["n"] < 1:
+            return MeasuredSplit(self.race.splits[:, b].copy(), self.race.windows[b])
+        windows = self.held.windows if self.phase is Phase.HOLDING else self.base
+        if current is None or windows is None or windows.count < 1:
             return None
-        return {"split": np.asarray(current, np.int64).copy(), **_counts(cell)}
+        return MeasuredSplit(np.asarray(current, np.int64).copy(), windows)
 
     def held_ms(self) -> str:
         """The held split's step time, for reasons."""
-        return _ms(self.held) if self.held else "unmeasured"
+        return _ms(self.held.windows) if self.held is not None else "unmeasured"
 
     def judge(self, current: np.ndarray) -> Optional[np.ndarray]:
         """After a window at the split in force `current`: the fallback's split if the
@@ -325,86 +252,86 @@ class Search:
         controller then holds it, the rule's moves off until a change), else None."""
         fallback = self.fallback
         mine = None if fallback is None else self._measured(current)
-        if mine is None or np.array_equal(mine["split"], fallback["split"]):
+        if mine is None or np.array_equal(mine.split, fallback.split):
             return None
-        if (sum(self.race["n"]) if self.racing else mine["n"]) < _JUDGED_AFTER:
+        if (sum(w.count for w in self.race.windows) if self.racing
+                else mine.windows.count) < _JUDGED_AFTER:
             return None
         # The noise: the race's pooled, the held split's, or the pool and these windows';
         # and the fallback's own windows around their mean.
         if self.racing:
             noise, dof = self._pooled()
             ss = noise * dof
-        elif self.phase == HOLDING:
-            ss, dof = self.held["noise"] * self.held["dof"], self.held["dof"]
+        elif self.phase is Phase.HOLDING:
+            ss, dof = self.held.noise * self.held.dof, self.held.dof
         else:
-            ss, dof = self.noise_ss + _ss(mine), self.noise_dof + mine["n"] - 1
-        ss, dof = ss + _ss(fallback), dof + fallback["n"] - 1
+            ss = self.noise_ss + mine.windows.squared_deviations
+            dof = self.noise_dof + mine.windows.count - 1
+        ss = ss + fallback.windows.squared_deviations
+        dof = dof + fallback.windows.count - 1
         noise = max(ss, 0.0) / dof if dof > 0 else 0.0
         q = t_quantile(1.0 - self.cfg.false_move_rate, dof)
-        slower = _mean(mine) - _mean(fallback)
-        bound = q * math.sqrt(noise * (1.0 / mine["n"] + 1.0 / fallback["n"]))
+        slower = mine.windows.mean - fallback.windows.mean
+        bound = q * math.sqrt(noise * (1.0 / mine.windows.count + 1.0 / fallback.windows.count))
         if not (math.isfinite(bound) and slower > bound + math.log1p(self.cfg.dead_band)):
             return None
         self.noise_ss, self.noise_dof = noise * dof, dof
-        self.phase, self.race, self.base, self.held_sign = HOLDING, None, None, 0.0
-        self.held = {**_counts(fallback), "noise": noise, "dof": dof}
+        self.phase, self.race, self.base, self.held_sign = Phase.HOLDING, None, None, 0.0
+        self.held = Held(fallback.windows, noise, dof)
         self.fallback, self.vetoed = None, True
-        return fallback["split"]
+        return fallback.split
 
     def switched(self, target) -> None:
         """The controller moved to `target`."""
-        if self.phase == RACING:
-            match = np.flatnonzero(np.all(self.splits == np.asarray(target)[:, None], axis=0))
-            self.race["at"] = int(match[0]) if match.size else -1
-            self.race["spent"] += _SWITCH_WINDOWS
+        if self.racing:
+            race = self.race
+            match = np.flatnonzero(np.all(race.splits == np.asarray(target)[:, None], axis=0))
+            race.at = int(match[0]) if match.size else -1
+            race.spent += SWITCH_WINDOWS
         self.base = None
 
-    def start(self, current, alpha, beta, level=None):
-        """The rule holds `current` on its models `alpha`, `beta`: starts a race around it
-        if there is one to run (`level`: each replica's (count, time, time squared) of its
-        windows at `current`, the incumbent's levels). Returns (split, reason)."""
-        if self.phase != IDLE:
+    def start(self, current, alpha, beta, fill, level: Optional[WindowSums] = None):
+        """The rule holds `current` on its models `alpha`, `beta` (`fill`: their unrounded
+        split at the kept tilt, from `tilted`): starts a race around it if there is one to
+        run (`level`: each replica's windows at `current`, the incumbent's levels). Returns
+        (split, reason)."""
+        if self.phase is not Phase.IDLE:
             return current, ""
         current = np.asarray(current, np.int64)
-        self.alpha = np.asarray(alpha, np.float64).copy()
-        self.beta = np.asarray(beta, np.float64).copy()
-        self.splits, self._fills = current[:, None].copy(), {}
-        rule = getattr(self, "_rule", None)
-        if rule is not None and rule[0] is alpha and rule[1] is beta:
-            self._fills[self.tilt] = rule[2]
-        self.race = {"incumbent": self.tilt, "arms": [self.tilt]}
-        base = self.base or _cell()
-        fastest = math.exp(base["s1"] / base["n"]) if base["n"] else math.inf
+        base = _NONE if self.base is None else self.base
+        race = self.race = Race(self.tilt, [self.tilt], [], [], 0, 0, 0,
+                                np.asarray(alpha, np.float64).copy(),
+                                np.asarray(beta, np.float64).copy(), current[:, None].copy(),
+                                _NONE)
+        self._fills = {self.tilt: fill}
+        fastest = math.exp(base.sum / base.count) if base.count else math.inf
         implied = self._implied_tilt(current, fastest)
         for d in (self.tilt + 1, implied, self.tilt - 1):  # down only if nothing up
-            if d is None or (d < self.tilt and len(self.race["arms"]) > 1):
+            if d is None or (d < self.tilt and len(race.arms) > 1):
                 continue
             split = self._arm_split(d)
             if self._worth(split, fastest):
-                self.splits = np.concatenate([self.splits, split[:, None]], axis=1)
-                self.race["arms"].append(d)
-        if len(self.race["arms"]) == 1:
+                race.splits = np.concatenate([race.splits, split[:, None]], axis=1)
+                race.arms.append(d)
+        if len(race.arms) == 1:
             # No neighbouring split (e.g. the even split of equal replicas): nothing to race.
-            self.phase = HOLDING
+            # The split's windows so far are kept as held; the next window starts over.
             pooled = self.noise_ss / self.noise_dof if self.noise_dof > 0 else 0.0
-            self.held = {**base, "noise": pooled, "dof": self.noise_dof}
+            self.held, self.race = Held(base, pooled, self.noise_dof), None
             return current, ""
-        order = np.argsort(self.race["arms"], kind="stable")
-        arms = [self.race["arms"][i] for i in order]
-        self.splits = self.splits[:, order]
-        self.levels = [np.zeros(self.splits.shape) for _ in _LEVELS]
+        order = np.argsort(race.arms, kind="stable")
+        arms = [race.arms[i] for i in order]
+        splits = race.splits[:, order]
+        levels = WindowSums(*(np.zeros(splits.shape) for _ in WindowSums._fields))
         inc = arms.index(self.tilt)
         if level is not None:
-            for mine, theirs in zip(self.levels, level):
+            for mine, theirs in zip(levels, level):
                 mine[:, inc] = theirs
-        self.race = {"incumbent": self.tilt, "arms": arms,
-                     "n": [base["n"] if i == inc else 0 for i in range(len(arms))],
-                     "s1": [base["s1"] if i == inc else 0.0 for i in range(len(arms))],
-                     "s2": [base["s2"] if i == inc else 0.0 for i in range(len(arms))],
-                     "alive": [True] * len(arms), "at": inc, "spent": 0, "settled": inc}
-        self.phase, self.base = RACING, None
+        self.race = Race(self.tilt, arms, [base if i == inc else _NONE for i in range(len(arms))],
+                         [True] * len(arms), inc, 0, inc, race.alpha, race.beta, splits, levels)
+        self.phase, self.base = Phase.RACING, None
         nxt = self._next()
-        return self.splits[:, nxt].copy(), (
+        return splits[:, nxt].copy(), (
             f"step-time search: racing {len(arms)} candidates around {current.tolist()}")
 
     def _implied_tilt(self, current, step_time: float) -> Optional[int]:
@@ -415,66 +342,63 @@ class Search:
         the step time allows; a throttled worker's fixed cost is often many tilt steps.)"""
         if not math.isfinite(step_time):
             return None
-        room = step_time - (self.alpha + self.beta * np.asarray(current, np.float64))
-        d = math.floor(float(np.min(room / (self._theta(self.alpha.size) * self.beta))))
+        race = self.race
+        room = step_time - (race.alpha + race.beta * np.asarray(current, np.float64))
+        d = math.floor(float(np.min(room / (self._theta(race.alpha.size) * race.beta))))
         return d if d > self.tilt + 1 else None
 
     def step(self):
         """One racing window done (at the split in force): (next split, reason)."""
         race = self.race
-        race["spent"] += 1
-        for j in range(len(race["arms"])):
-            if race["alive"][j] and not self._in_bounds(self.splits[:, j]):
-                race["alive"][j] = False
+        race.spent += 1
+        for j in range(len(race.arms)):
+            if race.alive[j] and not self._in_bounds(race.splits[:, j]):
+                race.alive[j] = False
         self._eliminate()
         self._extend()
-        alive = [j for j, a in enumerate(race["alive"]) if a]
-        if len(alive) <= 1 or race["spent"] >= self.cfg.horizon:
+        alive = [j for j, a in enumerate(race.alive) if a]
+        if len(alive) <= 1 or race.spent >= self.cfg.horizon:
             win = self._choice()
             noise, dof = self._pooled()
             self.noise_ss, self.noise_dof = noise * dof, dof
-            self.tilt = race["arms"][win]
-            split = self.splits[:, win].copy()
-            self.held = {**self._arm_cell(win), "noise": noise, "dof": dof}
-            self.phase, self.race = HOLDING, None
+            self.tilt = race.arms[win]
+            split = race.splits[:, win].copy()
+            self.held = Held(race.windows[win], noise, dof)
+            self.phase, self.race = Phase.HOLDING, None
             return split, (f"step-time search done: kept {split.tolist()} (tilt "
-                           f"{self.tilt:+d}, {_ms(self.held)})")
-        race["settled"] = self._choice()
+                           f"{self.tilt:+d}, {_ms(self.held.windows)})")
+        race.settled = self._choice()
         nxt = self._next()
-        return self.splits[:, nxt].copy(), (
+        return race.splits[:, nxt].copy(), (
             f"step-time search: {len(alive)} candidates left, measuring "
-            f"{self.splits[:, nxt].tolist()}")
+            f"{race.splits[:, nxt].tolist()}")
 
     # ----- the race ---------------------------------------------------------------------
     def _pooled(self) -> Tuple[float, float]:
         """Variance of a window's log step time (pooled: the arms' windows around their means
         and the earlier races' since the step time's last change), and its degrees of freedom."""
-        race = self.race
-        ss = sum(_ss(self._arm_cell(j)) for j, n in enumerate(race["n"]) if n > 0)
-        dof = sum(max(n - 1, 0) for n in race["n"]) + self.noise_dof
+        windows = self.race.windows
+        ss = sum(w.squared_deviations for w in windows if w.count > 0)
+        dof = sum(max(w.count - 1, 0) for w in windows) + self.noise_dof
         if dof <= 0:
             return 0.0, 0.0
         return (max(ss, 0.0) + self.noise_ss) / dof, float(dof)
 
-    def _arm_cell(self, j: int) -> Dict[str, Any]:
-        """Arm j's windows: count, sum and sum of squares of their log step times."""
-        return {k: self.race[k][j] for k in ("n", "s1", "s2")}
-
     def _bound(self, j: int, b: int, q: float, noise: float) -> float:
-        race = self.race
+        windows = self.race.windows
         if noise <= 0:
             return 0.0 if math.isfinite(q) else math.inf
-        return q * math.sqrt(noise * (1.0 / race["n"][j] + 1.0 / race["n"][b]))
+        return q * math.sqrt(noise * (1.0 / windows[j].count + 1.0 / windows[b].count))
 
     def _best(self) -> Optional[int]:
         race = self.race
-        measured = [j for j, a in enumerate(race["alive"]) if a and race["n"][j] > 0]
+        measured = [j for j, a in enumerate(race.alive) if a and race.windows[j].count > 0]
         if not measured:
             return None
-        return min(measured, key=lambda j: (race["s1"][j] / race["n"][j], j))
+        return min(measured, key=lambda j: (race.windows[j].mean, j))
 
     def _quantile(self, dof: float) -> float:
-        arms = max(sum(self.race["alive"]) - 1, 1)
+        arms = max(sum(self.race.alive) - 1, 1)
         return t_quantile(1.0 - self.cfg.false_move_rate / arms, dof)
 
     def _eliminate(self) -> None:
@@ -484,22 +408,22 @@ class Search:
             return
         noise, dof = self._pooled()
         q = self._quantile(dof)
-        rest = max(self.cfg.horizon - race["spent"], 0)
-        mean_b = race["s1"][b] / race["n"][b]
+        rest = max(self.cfg.horizon - race.spent, 0)
+        mean_b = race.windows[b].mean
         switch_cost = math.log1p(self.cfg.dead_band)  # in the log step times' units
-        for j, alive in enumerate(race["alive"]):
+        for j, alive in enumerate(race.alive):
             if not alive or j == b:
                 continue
             if rest == 0:
-                race["alive"][j] = False
-            elif race["n"][j] > 0:
+                race.alive[j] = False
+            elif race.windows[j].count > 0:
                 # Another visit costs `slower` for VISIT_WINDOWS; j might still save up to
                 # `bound - slower`, less what its switch costs, over the rest of the horizon.
-                slower = race["s1"][j] / race["n"][j] - mean_b
+                slower = race.windows[j].mean - mean_b
                 bound = self._bound(j, b, q, noise)
                 worth = (bound - slower - switch_cost) * rest
                 if math.isfinite(bound) and worth <= slower * VISIT_WINDOWS:
-                    race["alive"][j] = False
+                    race.alive[j] = False
 
     def _extend(self) -> None:
         """A best arm at the edge of the race, its inner neighbour out: add the next one."""
@@ -507,59 +431,45 @@ class Search:
         b = self._best()
         if b is None:
             return
-        d = race["arms"][b]
-        alive_d = [race["arms"][j] for j, a in enumerate(race["alive"]) if a]
+        d = race.arms[b]
+        alive_d = [race.arms[j] for j, a in enumerate(race.alive) if a]
         for step in (1, -1):
             if d != (max(alive_d) if step > 0 else min(alive_d)):
                 continue
             inner, outer = d - step, d + step
-            if outer in race["arms"] or inner not in race["arms"] or \
-                    race["alive"][race["arms"].index(inner)]:
+            if outer in race.arms or inner not in race.arms or \
+                    race.alive[race.arms.index(inner)]:
                 continue
             split = self._arm_split(outer)
-            if not self._worth(split, math.exp(race["s1"][b] / race["n"][b])):
+            if not self._worth(split, math.exp(race.windows[b].mean)):
                 continue
-            self.splits = np.concatenate([self.splits, split[:, None]], axis=1)
-            self.levels = [np.concatenate([level, np.zeros((level.shape[0], 1))], axis=1)
-                           for level in self.levels]
-            for key, value in (("arms", outer), ("n", 0), ("s1", 0.0), ("s2", 0.0),
-                               ("alive", True)):
-                race[key].append(value)
+            race.splits = np.concatenate([race.splits, split[:, None]], axis=1)
+            race.levels = WindowSums(*(np.concatenate(
+                [level, np.zeros((level.shape[0], 1))], axis=1) for level in race.levels))
+            race.arms.append(outer)
+            race.windows.append(_NONE)
+            race.alive.append(True)
 
     def _choice(self) -> int:
         """The arm to keep now: the incumbent unless the best arm is surely faster."""
         race = self.race
-        inc = race["arms"].index(race["incumbent"])
+        inc = race.arms.index(race.incumbent)
         b = self._best()
-        if b is None or b == inc or race["n"][inc] == 0:
+        if b is None or b == inc or race.windows[inc].count == 0:
             return inc
         noise, dof = self._pooled()
-        slower = race["s1"][inc] / race["n"][inc] - race["s1"][b] / race["n"][b]
+        slower = race.windows[inc].mean - race.windows[b].mean
         return b if slower > self._bound(inc, b, self._quantile(dof), noise) else inc
 
     def _next(self) -> int:
         """Round robin over the arms in the race, in the order of their tilt."""
         race = self.race
-        order = sorted((d, j) for j, d in enumerate(race["arms"]) if race["alive"][j])
-        at = race["arms"][race["at"]] if race["at"] >= 0 else min(race["arms"]) - 1
+        order = sorted((d, j) for j, d in enumerate(race.arms) if race.alive[j])
+        at = race.arms[race.at] if race.at >= 0 else min(race.arms) - 1
         later = [j for d, j in order if d > at]
         return later[0] if later else order[0][1]
 
 
-def _counts(cell) -> Dict[str, Any]:
-    """A copy of a cell's count, sum and sum of squares (of log step times)."""
-    return {k: cell[k] for k in ("n", "s1", "s2")}
-
-
-def _mean(cell) -> float:
-    return cell["s1"] / cell["n"]
-
-
-def _ss(cell) -> float:
-    """Squared deviations of a cell's windows from their mean."""
-    return cell["s2"] - cell["s1"] * cell["s1"] / cell["n"]
-
-
-def _ms(cell) -> str:
-    n = cell["n"]
-    return f"{1e3 * math.exp(cell['s1'] / n):.3g} ms over {n} window(s)" if n else "unmeasured"
+def _ms(windows: WindowSums) -> str:
+    n = windows.count
+    return f"{1e3 * math.exp(windows.sum / n):.3g} ms over {n} window(s)" if n else "unmeasured"
