@@ -353,94 +353,133 @@ def simulate(controller, cluster: ClusterModel, steps: int, adjust_every: int = 
                              "neither; pass e.g. global_batch=64 for an even start.")
         initial_sizes = _split.split_evenly(global_batch, num)
     sizes = np.array(_split.validate_sizes(initial_sizes, num, global_batch), np.int64)
-    total = int(sizes.sum())
     rng = np.random.default_rng(seed)
     noise = (rng.uniform(1 - cluster.noise, 1 + cluster.noise, size=(steps, num))
              if cluster.noise > 0 else np.ones((steps, num)))
-    factors = np.ones((steps, num))
-    for s in cluster.slowdowns:
-        factors[s.start:s.end, s.replica] *= s.factor
-    state = controller.init(sizes) if controller is not None else None
-    if state is not None:
-        sizes = state.sizes.copy()
-    alive = np.ones(num, bool)
-    events = {0} | {s.start for s in cluster.slowdowns} | {
-        s.end for s in cluster.slowdowns if s.end is not None} | set(cluster.losses.values())
-    out = {k: np.empty(steps) for k in ("t", "m", "b", "i", "f")}
-    out_sizes = np.zeros((steps, num), np.int64)
-    adjust_steps: List[int] = []
-    reasons: List[str] = []
-    windows = {k: [] for k in ("step", "settled", "best", "fed")}
-    win_b, win_t, win_s, win_n = np.zeros(num), np.zeros(num), 0.0, 0
-    # The split decided last in force from `pending_at`; the first step after the decision.
-    pending, pending_at, switched_at = None, 0, None
-    best = ideal = flow = 0.0
+    run = _Run(controller, cluster, sizes, noise, adjust_every, switch_lag, step_time)
+    for step in range(steps):
+        run.step(step)
+    return run.result()
 
-    def scatter(values):
-        full = np.zeros(num, np.int64)
-        full[alive] = values
+
+class _Run:
+    """One simulation under way (`simulate`): the split in force, the switch decided last,
+    the window measured so far, and the record."""
+
+    def __init__(self, controller, cluster: ClusterModel, sizes: np.ndarray, noise: np.ndarray,
+                 adjust_every: int, switch_lag: int, step_time: bool):
+        steps, num = noise.shape
+        self.controller, self.cluster, self.noise = controller, cluster, noise
+        self.adjust_every, self.switch_lag = adjust_every, switch_lag
+        self.pass_step_time = step_time
+        self.total = int(sizes.sum())
+        self.factors = np.ones((steps, num))
+        for s in cluster.slowdowns:
+            self.factors[s.start:s.end, s.replica] *= s.factor
+        self.state = controller.init(sizes) if controller is not None else None
+        self.sizes = self.state.sizes.copy() if self.state is not None else sizes
+        self.alive = np.ones(num, bool)
+        self.events = {0} | {s.start for s in cluster.slowdowns} | {
+            s.end for s in cluster.slowdowns if s.end is not None} | set(cluster.losses.values())
+        self.out = {k: np.empty(steps) for k in (
+            "step_times", "model_step_times", "best_step_times", "ideal_step_times",
+            "flow_step_times")}
+        self.out_sizes = np.zeros((steps, num), np.int64)
+        self.adjust_steps: List[int] = []
+        self.reasons: List[str] = []
+        self.windows = {k: [] for k in ("step", "settled", "best", "fed")}
+        self._new_window()
+        # The split decided last, in force from `pending_at`; the first step after the decision.
+        self.pending, self.pending_at, self.switched_at = None, 0, None
+        self.best = self.ideal = self.flow = 0.0
+
+    def _new_window(self) -> None:
+        num = self.cluster.num_replicas
+        self.win_b, self.win_t, self.win_s, self.win_n = np.zeros(num), np.zeros(num), 0.0, 0
+
+    def _scatter(self, values) -> np.ndarray:
+        full = np.zeros(self.cluster.num_replicas, np.int64)
+        full[self.alive] = values
         return full
 
-    for step in range(steps):
-        lost = [k for k, s in cluster.losses.items() if s == step and alive[k]]
+    def step(self, step: int) -> None:
+        """Runs step `step`: losses, the split in force, the times; a window's end."""
+        cluster = self.cluster
+        lost = [k for k, s in cluster.losses.items() if s == step and self.alive[k]]
         if lost:
-            keep = alive.copy()
-            keep[lost] = False
-            if state is not None:
-                new, state = controller.remove_replicas(state, keep[alive])
-            else:
-                new = _split.split_proportionally(total, np.maximum(sizes[keep], 1))
-            alive = keep
-            sizes, pending = scatter(new), None
-            win_b[:], win_t[:], win_s, win_n = 0.0, 0.0, 0.0, 0
-            adjust_steps.append(step)
-            logger.debug("step %d: lost replicas %s", step, lost)
-        if pending is not None and step >= pending_at:
-            sizes, pending = pending, None
-            adjust_steps.append(step)
-        factor = factors[step]
-        if step in events:
-            _, best = best_split(cluster, total, factor, alive)
+            self._lose(step, lost)
+        if self.pending is not None and step >= self.pending_at:
+            self.sizes, self.pending = self.pending, None
+            self.adjust_steps.append(step)
+        factor, alive, total = self.factors[step], self.alive, self.total
+        if step in self.events:
+            _, self.best = best_split(cluster, total, factor, alive)
             a, b = cluster.alpha * factor, cluster.beta * factor
-            _, ideal = ideal_split(total, a[alive], b[alive])
-            flow = total / float(np.sum(1.0 / b[alive]))
-        measured, step_seconds = cluster.times(sizes, factor, noise[step], alive)
-        out["t"][step] = step_seconds
-        out["m"][step] = cluster.times(sizes, factor, alive=alive)[1]
-        out["b"][step] = best
-        out["i"][step] = ideal + cluster.allreduce
-        out["f"][step] = flow + cluster.allreduce
-        out_sizes[step] = sizes
-        win_b += sizes
-        win_t += measured
-        win_s += step_seconds
-        win_n += 1
-        if state is None or win_n < adjust_every:
-            continue
-        mean_b = win_b[alive] / win_n
-        split = (pending if pending is not None else sizes)[alive]
-        straddled = straddles_switch(mean_b, split, step + 1 - win_n, switched_at, switch_lag)
+            _, self.ideal = ideal_split(total, a[alive], b[alive])
+            self.flow = total / float(np.sum(1.0 / b[alive]))
+        measured, step_seconds = cluster.times(self.sizes, factor, self.noise[step], alive)
+        self.out["step_times"][step] = step_seconds
+        self.out["model_step_times"][step] = cluster.times(self.sizes, factor, alive=alive)[1]
+        self.out["best_step_times"][step] = self.best
+        self.out["ideal_step_times"][step] = self.ideal + cluster.allreduce
+        self.out["flow_step_times"][step] = self.flow + cluster.allreduce
+        self.out_sizes[step] = self.sizes
+        self.win_b += self.sizes
+        self.win_t += measured
+        self.win_s += step_seconds
+        self.win_n += 1
+        if self.state is not None and self.win_n >= self.adjust_every:
+            self._end_window(step)
+
+    def _lose(self, step: int, lost: List[int]) -> None:
+        keep = self.alive.copy()
+        keep[lost] = False
+        if self.state is not None:
+            new, self.state = self.controller.remove_replicas(self.state, keep[self.alive])
+        else:
+            new = _split.split_proportionally(self.total, np.maximum(self.sizes[keep], 1))
+        self.alive = keep
+        self.sizes, self.pending = self._scatter(new), None
+        self._new_window()
+        self.adjust_steps.append(step)
+        logger.debug("step %d: lost replicas %s", step, lost)
+
+    def _end_window(self, step: int) -> None:
+        """The window ending at `step` to the controller, unless it straddles a switch."""
+        alive, n = self.alive, self.win_n
+        mean_b = self.win_b[alive] / n
+        split = (self.pending if self.pending is not None else self.sizes)[alive]
+        straddled = straddles_switch(mean_b, split, step + 1 - n, self.switched_at,
+                                     self.switch_lag)
         if not straddled:
-            switched_at = None
-            new, state = controller.update(state, mean_b, win_t[alive] / win_n,
-                                           step_time=win_s / win_n if step_time else None)
-            reasons.append(state.reason)
+            self.switched_at = None
+            new, self.state = self.controller.update(
+                self.state, mean_b, self.win_t[alive] / n,
+                step_time=self.win_s / n if self.pass_step_time else None)
+            self.reasons.append(self.state.reason)
             new = np.asarray(new, np.int64)
             if not np.array_equal(new, split):
-                pending, switched_at = scatter(new), step + 1
-                pending_at = switched_at + switch_lag
-        nxt = min(step + 1, steps - 1)
-        settled = scatter(np.asarray(state.settled_sizes, np.int64))
-        windows["step"].append(step)
-        windows["settled"].append(cluster.times(settled, factors[nxt], alive=alive)[1])
-        windows["best"].append(best_split(cluster, total, factors[nxt], alive)[1]
-                               if nxt in events else best)
-        windows["fed"].append(not straddled)
-        win_b[:], win_t[:], win_s, win_n = 0.0, 0.0, 0.0, 0
-    return SimResult(out["t"], out["m"], out["b"], out["i"], out["f"], out_sizes, adjust_steps,
-                     reasons, np.asarray(windows["step"], np.int64),
-                     np.asarray(windows["settled"]), np.asarray(windows["best"]),
-                     np.asarray(windows["fed"], bool), state)
+                self.pending, self.switched_at = self._scatter(new), step + 1
+                self.pending_at = self.switched_at + self.switch_lag
+        nxt = min(step + 1, len(self.factors) - 1)
+        settled = self._scatter(np.asarray(self.state.settled_sizes, np.int64))
+        self.windows["step"].append(step)
+        self.windows["settled"].append(
+            self.cluster.times(settled, self.factors[nxt], alive=alive)[1])
+        self.windows["best"].append(
+            best_split(self.cluster, self.total, self.factors[nxt], alive)[1]
+            if nxt in self.events else self.best)
+        self.windows["fed"].append(not straddled)
+        self._new_window()
+
+    def result(self) -> SimResult:
+        windows = self.windows
+        return SimResult(**self.out, sizes=self.out_sizes, adjust_steps=self.adjust_steps,
+                         reasons=self.reasons,
+                         window_steps=np.asarray(windows["step"], np.int64),
+                         settled_step_times=np.asarray(windows["settled"]),
+                         window_best_times=np.asarray(windows["best"]),
+                         fed=np.asarray(windows["fed"], bool), final_state=self.state)
 
 
 # ---------------------------------------------------------------------------- scenarios ---
