@@ -12,8 +12,8 @@ chief-only branch around them; the controllers are deterministic, so every worke
 the same split from the same gathered measurements. Only writing (dashboards, the PNG) and
 cluster-wide log lines are chief-only.
 
-The callback coordinates collaborators with one job each: the measurement window
-(`measurement_window`), the static split (`static_split`), the controller
+The callback coordinates collaborators with one job each: the window clock
+(`window_clock`), the static split (`static_split`), the controller
 (`controller_setup`, `protocols.Controller`) and the dashboards (`balance_board`). It uses
 the strategy through `protocols.SplitStrategy` only.
 """
@@ -38,7 +38,7 @@ from tf_hetbatch.distribute.strategy import StepCounter, hetero_strategy_of
 from tf_hetbatch.dashboards.balance_board import BalanceBoard
 from tf_hetbatch.training.controller_setup import (controller_config, controller_from_config,
                                                    make_controller)
-from tf_hetbatch.training.measurement_window import MeasurementWindow, WindowMeasurement
+from tf_hetbatch.training.window_clock import WindowClock, WindowMeasurement
 from tf_hetbatch.training.static_split import StaticSplitPolicy, check_initial, device_capacities
 
 logger = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class DynamicBatching(keras.callbacks.Callback):
         self.windows: List[Dict[str, Any]] = []
         self._strategy = None
         self._steps = None
-        self._window: Optional[MeasurementWindow] = None
+        self._clock: Optional[WindowClock] = None
         self._static: Optional[StaticSplitPolicy] = None
         self._board: Optional[BalanceBoard] = None
         self._switch_lag = 0
@@ -301,7 +301,7 @@ class DynamicBatching(keras.callbacks.Callback):
         # On every worker alike, before any collective; B may still be unknown (then the
         # first window gives it, see `_finish_static`).
         resolve_bounds(strategy.global_batch_size, num, *self._bounds())
-        self._window = MeasurementWindow(strategy, self.warmup_steps)
+        self._clock = WindowClock(strategy, self.warmup_steps)
         self._static = StaticSplitPolicy(self.initial, self.probe_steps, self._bounds())
         self._change_step = None  # the step of the last change of split, until it shows
         self.windows = []
@@ -311,21 +311,21 @@ class DynamicBatching(keras.callbacks.Callback):
             self._resume(strategy)
         else:
             self._start(strategy)
-        self._window.begin()
+        self._clock.begin()
 
     def on_epoch_begin(self, epoch, logs=None):
         # Validation and the epoch boundary are not a replica's work: restart the step clock.
         self._strategy.restart_step_clock()
 
     def on_train_batch_begin(self, batch, logs=None):
-        self._window.batch_begin()
+        self._clock.batch_begin()
 
     def on_train_batch_end(self, batch, logs=None):
         steps = self._steps()  # > 1 with steps_per_execution
         self._global_step += steps
         length = self.interval if self._static_done \
             else self._static.first_window_length(self.interval)
-        measured = self._window.batch_end(steps, length)
+        measured = self._clock.batch_end(steps, length)
         if measured is not None:
             self._use_window(measured)
 

@@ -1,4 +1,4 @@
-"""The measurement windows of `DynamicBatching`: which steps are measured, and what.
+"""The window clock of `DynamicBatching`: which steps are measured, and what.
 
 A window clock per `fit`: the first `warmup_steps` steps (tracing; in asynchronous training
 also until every worker finished 2 updates) are not measured; then each window counts
@@ -23,7 +23,7 @@ import numpy as np
 from tf_hetbatch.core.measurements import ReplicaTimes
 from tf_hetbatch.core.protocols import SplitStrategy
 
-__all__ = ["ASYNC_WARM_UPDATES", "WindowMeasurement", "MeasurementWindow"]
+__all__ = ["ASYNC_WARM_UPDATES", "WindowMeasurement", "WindowClock"]
 
 # Asynchronous training: a worker's first updates of a fit include its tracing and input
 # start-up; measuring starts once every worker finished this many.
@@ -51,7 +51,7 @@ class WindowMeasurement:
     staleness: Optional[Any]
 
 
-class MeasurementWindow:
+class WindowClock:
     """The window clock of one fit, fed by the Keras batch hooks.
 
     Args:
