@@ -9,18 +9,15 @@ from tf_hetbatch.core import _validate
 from tf_hetbatch.distribute import clean_exit
 from tf_hetbatch.distribute import step_run
 from tf_hetbatch.distribute import updates
-from tf_hetbatch.distribute.strategy import HeteroMixin
+from tf_hetbatch.distribute.strategy import PIPELINE_LEAD_STEPS, HeteroMixin
 from tf_hetbatch.distribute._upstream import collectives, keras_callers
 
 logger = logging.getLogger(__name__)
 
 # The default `switch_margin`: a new split starts this many steps after the current one, so
-# no worker's input pipeline has produced that step's batch yet. The split pipeline's
-# bookkeeping runs at most PIPELINE_LEAD_STEPS batches ahead of training: its own fixed
-# one-batch prefetch (`input_split.split_global_batches`), the distributed iterator's
-# one-element buffer, the batch in flight. Checked after every switch.
+# no worker's input pipeline has produced that step's batch yet (it runs at most
+# PIPELINE_LEAD_STEPS batches ahead of training). Checked after every switch.
 DEFAULT_SWITCH_MARGIN = 8
-PIPELINE_LEAD_STEPS = 3
 
 
 class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMirroredStrategy):

@@ -24,10 +24,11 @@ from tf_hetbatch.distribute._upstream import (collectives, iterators, keras_call
 
 logger = logging.getLogger(__name__)
 
-# One host: a split set now applies to the global batches produced after it. The split
-# pipeline ends on a one-global-batch prefetch (`input_split.split_global_batches`), the
-# distributed iterator buffers one more, one is in flight: at most 3 steps.
-ONE_HOST_SWITCH_LAG_STEPS = 3
+# How far the split input pipeline runs ahead of training: its own one-global-batch prefetch
+# (`input_split.split_global_batches`), the distributed iterator's one-element buffer, the
+# batch in flight. One host: a split set now applies to the global batches produced after
+# it, so this is its switch lag; several workers: `switch_margin` must exceed it.
+PIPELINE_LEAD_STEPS = 3
 
 
 class HeteroMixin:
@@ -455,7 +456,7 @@ class HeteroMixin:
         return self._switch_lag_steps()
 
     def _switch_lag_steps(self):
-        return ONE_HOST_SWITCH_LAG_STEPS
+        return PIPELINE_LEAD_STEPS
 
     @property
     def is_chief(self) -> bool:
