@@ -68,8 +68,9 @@ class DynamicBatching(keras.callbacks.Callback):
     3. Then every `interval` steps (`probe_steps` for the probe) one window ends: the
        strategy's per-replica means of samples/step and compute seconds/step over the window
        go to `controller.update`, and a changed split is applied. A change reaches the
-       replicas 2 to 4 steps later (the input pipeline prefetches), so the first window after
-       a change is used only if every replica's samples/step equals the new split.
+       replicas 2 to 4 steps later (the input pipeline prefetches), so a window that started
+       before the new split was surely in force is used only if every replica's samples/step
+       equals the new split (`tf_hetbatch.core.measurements.straddles_switch`).
        `update` also gets `step_time=`: in synchronous training the window's mean step
        time (the slowest worker's, gathered with the times in one collective), else None.
        The built-in controllers then refine the split their model settled on by trying
