@@ -106,7 +106,8 @@ class TimeModels(NamedTuple):
         spread = np.where(self.size_var > 0, self.size_var, 1.0)
         ident = self.noise / safe_w * (1.0 + (sizes - self.mean_size) ** 2 / spread)
         ratio = t / np.where(self.mean_time > 0, self.mean_time, 1.0)
-        var = np.where(self.identified, ident, self.noise / safe_w * ratio ** 2)
+        with np.errstate(invalid="ignore"):  # no noise estimate yet (inf) x 0 s at 0 samples
+            var = np.where(self.identified, ident, self.noise / safe_w * ratio ** 2)
         return t, np.where(self.weight > 0, var, np.inf)
 
 
