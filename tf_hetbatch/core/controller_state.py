@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import logging
 from typing import Any, Dict, Mapping, Optional
 
 import numpy as np
@@ -20,8 +19,6 @@ from tf_hetbatch.core._stats import WindowSums
 from tf_hetbatch.core._validate import format_value
 from tf_hetbatch.core.search_state import Held, MeasuredSplit, Phase, Race, SearchState
 from tf_hetbatch.core.time_models import Levels, ReplicaStats, TimeSums
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["ControllerState", "STATE_FORMAT"]
 
@@ -189,15 +186,12 @@ _OLD_RACE = ("search_alpha", "search_beta", "search_splits", "search_level_n",
 def _from_unversioned(d: Mapping[str, Any], num: int) -> Dict[str, Any]:
     """`replica_stats` and `search` of an unversioned dict, as that code read them."""
     stats = {k: np.asarray(v, np.float64) for k, v in dict(d.get("stats") or {}).items()}
-    replica_stats = None
+    replica_stats = None  # (models of another version: the controller starts them afresh)
     if all(k in stats and stats[k].shape == (num,)
            for k in _OLD_SUMS + _OLD_LEVELS + ("held_sign", "shape", "shape_known")):
         replica_stats = ReplicaStats(
             TimeSums(*(stats[k] for k in _OLD_SUMS)), Levels(*(stats[k] for k in _OLD_LEVELS)),
             stats["held_sign"], stats["shape"], stats["shape_known"] > 0)
-    else:
-        logger.info("Controller state without this version's time models (an older "
-                    "checkpoint?): the models start afresh from the saved split.")
     return {"replica_stats": replica_stats, "search": _old_search(d.get("search") or {}, stats)}
 
 
