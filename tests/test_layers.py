@@ -213,3 +213,14 @@ def test_the_quarantine_exists_and_the_check_sees_private_use_outside_it(tmp_pat
     # A quarantine module may do both; a benchmark may import the quarantine only.
     assert _check_private(f"{QUARANTINE}.fake", str(path)) == []
     assert len(_check_private("examples.benchmarks.fake", str(path), bench=True)) == 3
+
+
+def test_every_public_name_resolves():
+    import tf_hetbatch as hb
+
+    assert hb.__all__ == list(hb._PUBLIC)
+    for name in hb.__all__:
+        assert getattr(hb, name) is not None, name
+    namespace = {}
+    exec("from tf_hetbatch import *", namespace)
+    assert set(hb.__all__) <= set(namespace)

@@ -27,7 +27,8 @@ _PUBLIC = {
     "SynchronousSplitStrategy": "tf_hetbatch.core.protocols",
     "AsynchronousSplitStrategy": "tf_hetbatch.core.protocols",
     "Controller": "tf_hetbatch.core.protocols",
-    # Keras callbacks.
+    # Balancing: any training loop, and its Keras callback.
+    "Balancer": "tf_hetbatch.training.balancer",
     "DynamicBatching": "tf_hetbatch.training.callback",
     "ResumableCheckpoint": "tf_hetbatch.training.recovery",
     "RESTART_EXIT_CODE": "tf_hetbatch.training.preemption",
@@ -36,7 +37,7 @@ _PUBLIC = {
     "ParameterServerLostError": "tf_hetbatch.training.async_trainer",
     # Dashboards.
     "BalanceWriter": "tf_hetbatch.dashboards.summaries",
-    "plot_balance": "tf_hetbatch.plot",
+    "plot_balance": "tf_hetbatch.dashboards.plot",
     # Pure core (numpy only).
     "split_proportionally": "tf_hetbatch.core.split",
     "split_evenly": "tf_hetbatch.core.split",
@@ -53,38 +54,8 @@ _PUBLIC = {
     "Slowdown": "tf_hetbatch.core.sim",
 }
 
-__all__ = [
-    "HeteroMirroredStrategy",
-    "HeteroMultiWorkerMirroredStrategy",
-    "HeteroParameterServerStrategy",
-    "ReplicaTimes",
-    "Staleness",
-    "split_here",
-    "SplitStrategy",
-    "SynchronousSplitStrategy",
-    "AsynchronousSplitStrategy",
-    "Controller",
-    "DynamicBatching",
-    "ResumableCheckpoint",
-    "RESTART_EXIT_CODE",
-    "AsyncTrainer",
-    "ParameterServerLostError",
-    "BalanceWriter",
-    "plot_balance",
-    "split_proportionally",
-    "split_evenly",
-    "validate_sizes",
-    "DeviceCapability",
-    "cpu_capability",
-    "gpu_capability",
-    "ProportionalController",
-    "ModelBasedController",
-    "ControllerState",
-    "ControllerConfig",
-    "simulate",
-    "ClusterModel",
-    "Slowdown",
-]
+# Every public name, from the one table above.
+__all__ = list(_PUBLIC)
 
 
 def __getattr__(name):

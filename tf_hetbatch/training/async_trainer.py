@@ -136,6 +136,7 @@ class AsyncTrainer:
         self._eval_step = None
         self._element_spec = None
         self._global_step = 0
+        self._balancers: List = []  # of the DynamicBatching callbacks of the fit
         self._store = (None if self.checkpoint_dir is None else
                        _run.RunCheckpoint(self.checkpoint_dir, model, self.optimizer, keep=2))
         self._notice: Optional[PreemptionNotice] = None
@@ -216,11 +217,13 @@ class AsyncTrainer:
         self.strategy.set_global_batch_size(batch_size * self.strategy.num_workers)
         iterator = self._per_worker_iterator(dataset_fn)
         step_fn = self._make_train_step(float(batch_size))
+        # DynamicBatching's work is its Balancer's: driven here directly, not as a callback.
+        self._balancers = [cb.balancer for cb in callbacks or [] if _is_dynamic_batching(cb)]
         callback_list = keras.callbacks.CallbackList(
-            callbacks, add_history=True, add_progbar=verbose != 0, model=self.model,
-            verbose=verbose, epochs=epochs, steps=steps_per_epoch)
-        resume_epoch, resume_batch = self._restore(callback_list, steps_per_epoch,
-                                                   batch_size)
+            [cb for cb in callbacks or [] if not _is_dynamic_batching(cb)], add_history=True,
+            add_progbar=verbose != 0, model=self.model, verbose=verbose, epochs=epochs,
+            steps=steps_per_epoch)
+        resume_epoch, resume_batch = self._restore(steps_per_epoch, batch_size)
         initial_epoch = max(initial_epoch, resume_epoch)
         self.model.stop_training = False
         self.preempted_at = None
@@ -232,6 +235,8 @@ class AsyncTrainer:
             self._pending_request = False
             self._notice.request()
         try:
+            for balancer in self._balancers:
+                balancer.begin(self.strategy)
             callback_list.on_train_begin()
             for epoch in range(initial_epoch, epochs):
                 first = resume_batch if epoch == resume_epoch else 0
@@ -245,6 +250,8 @@ class AsyncTrainer:
             self._notice.close()
             self._notice = None
         self.staleness = self._staleness_total() - fit_start
+        for balancer in self._balancers:
+            balancer.end()
         callback_list.on_train_end(logs)
         return next(cb for cb in callback_list.callbacks
                     if isinstance(cb, keras.callbacks.History))
@@ -254,10 +261,14 @@ class AsyncTrainer:
         for metric in [self.loss_tracker, *self.metrics]:
             metric.reset_state()
         epoch_start = self._staleness_total()
+        for balancer in self._balancers:
+            balancer.epoch_begin()
         callback_list.on_epoch_begin(epoch)
         pending: List = []
         logs, logs_read = {}, 0.0
         for batch in range(first, steps):
+            for balancer in self._balancers:
+                balancer.step_begin()
             callback_list.on_train_batch_begin(batch)
             pending.append(self.coordinator.schedule(
                 step_fn, args=(iterator, self.strategy.batch_sizes_tensor())))
@@ -265,13 +276,15 @@ class AsyncTrainer:
             pending = _wait_outstanding(pending, self.max_outstanding)
             if time.monotonic() - logs_read > _LOG_READ_INTERVAL_S:
                 logs, logs_read = self._train_logs(), time.monotonic()
+            for balancer in self._balancers:
+                balancer.step_end(1)  # one update scheduled
             callback_list.on_train_batch_end(batch, logs)
             if self._notice.due(self._global_step):
-                self._save_on_notice(callback_list, epoch, batch + 1)
+                self._save_on_notice(epoch, batch + 1)
             if (self.checkpoint_interval and self._global_step % self.checkpoint_interval == 0
                     and batch + 1 < steps):
                 self.coordinator.join()
-                self._save(callback_list, epoch, batch + 1)
+                self._save(epoch, batch + 1)
             if self.model.stop_training:
                 break
         self.coordinator.join()
@@ -285,7 +298,7 @@ class AsyncTrainer:
                                 return_dict=True)
             callback_list.on_test_end(val)
             logs.update({f"val_{k}": v for k, v in val.items()})
-        self._save(callback_list, epoch + 1, 0)  # first: callbacks may stop the process
+        self._save(epoch + 1, 0)  # first: callbacks may stop the process
         callback_list.on_epoch_end(epoch, logs)
         return logs
 
@@ -410,7 +423,7 @@ class AsyncTrainer:
         return train_step
 
     # ------------------------------------------------------------------ checkpoints -------
-    def _restore(self, callback_list, steps_per_epoch, batch_size):
+    def _restore(self, steps_per_epoch, batch_size):
         """Restores the newest readable checkpoint of `checkpoint_dir`; returns (epoch, batch).
 
         Only the chief reads checkpoints (the variables live on the parameter servers), so
@@ -433,9 +446,8 @@ class AsyncTrainer:
         if sizes is not None:
             self.strategy.set_batch_sizes(sizes)
         if keep_state:
-            for callback, state in zip(_dynamic_batching(callback_list),
-                                       position.dynamic_batching or []):
-                callback.set_state(state)
+            for balancer, state in zip(self._balancers, position.dynamic_batching or []):
+                balancer.set_state(state)
         logger.info("Resumed from %s: update %d (epoch %d, batch %d), split %s.",
                     checkpoint.path, self._global_step, position.epoch, position.batch,
                     self.strategy.batch_sizes)
@@ -444,7 +456,7 @@ class AsyncTrainer:
             return position.epoch + 1, 0
         return position.epoch, position.batch
 
-    def _save(self, callback_list, epoch, batch):
+    def _save(self, epoch, batch):
         if self._store is None:
             return None
         sizes = self.strategy.batch_sizes
@@ -452,14 +464,14 @@ class AsyncTrainer:
             trainer=_TRAINER, step=self._global_step, epoch=epoch, batch=batch,
             num_parts=self.strategy.num_workers,
             batch_sizes=tuple(int(s) for s in sizes) if sizes else None,
-            dynamic_batching=[cb.get_state() for cb in _dynamic_batching(callback_list)])
+            dynamic_batching=[balancer.get_state() for balancer in self._balancers])
         path = self._store.save(position)
         logger.debug("Checkpoint %s at update %d.", path, self._global_step)
         return path
 
-    def _save_on_notice(self, callback_list, epoch, batch):
+    def _save_on_notice(self, epoch, batch):
         self.coordinator.join()  # every scheduled update is applied, and saved
-        path = self._save(callback_list, epoch, batch)
+        path = self._save(epoch, batch)
         self.preempted_at = self._global_step
         seconds = self._notice.seconds_since_notice
         logger.info("Preemption notice: %s at update %d%s; exiting with code %d (restart me).",
@@ -492,10 +504,10 @@ def _wait_outstanding(pending, limit):
     return pending
 
 
-def _dynamic_batching(callback_list):
+def _is_dynamic_batching(callback) -> bool:
     from tf_hetbatch.training.callback import DynamicBatching
 
-    return [cb for cb in callback_list.callbacks if isinstance(cb, DynamicBatching)]
+    return isinstance(callback, DynamicBatching)
 
 
 def _add_metric_update(metric, *args, **kwargs):
