@@ -106,3 +106,15 @@ def test_png_pipeline_is_seeded_with_static_shapes_and_metered(tmp_path):
     light = np.concatenate([b[0] for b in fashion_mnist.png_pipeline(
         records, 64, augment="light").as_numpy_iterator()])
     assert np.allclose(np.sort(light.sum(axis=(1, 2, 3))), np.sort(x.sum(axis=(1, 2, 3))))
+
+
+def test_custom_loop_tiny_mode_runs_the_tutorial_with_a_balancer(tmp_path):
+    summary_path = tmp_path / "summary.json"
+    out = run(["examples/custom_loop.py", "--steps", "4", "--epochs", "2", "--train-samples",
+               "2000", "--checkpoint-dir", str(tmp_path / "ckpt"), "--summary",
+               str(summary_path)], 300)
+    assert "Epoch 2, Loss:" in out
+    summary = json.loads(summary_path.read_text())
+    assert summary["history"][0]["new"] == [64, 64, 64]
+    assert sum(summary["batch_sizes"]) == 192
+    assert glob.glob(str(tmp_path / "ckpt" / "ckpt-2*"))  # the balancer saved with the run
