@@ -30,7 +30,7 @@ import fashion_mnist  # noqa: E402
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--replicas", type=int, default=3, help="logical CPUs (replicas)")
+    parser.add_argument("--replicas", type=int, default=2, help="logical CPUs (replicas)")
     parser.add_argument("--slow", type=float, default=3.0,
                         help="per-sample work of the last replica, relative to the others")
     parser.add_argument("--batch-per-replica", type=int, default=64)
@@ -46,7 +46,7 @@ class SlowerReplica(tf.keras.layers.Layer):
     """Identity in value; the last replica does `slow` times the per-sample work of the others
     (rounds of a matmul on each sample), as a slower device would."""
 
-    def __init__(self, num_replicas, slow, rounds=20, **kwargs):
+    def __init__(self, num_replicas, slow, rounds=300, **kwargs):
         super().__init__(**kwargs)
         work = [1] * num_replicas
         work[-1] = max(1, int(round(slow)))
@@ -71,6 +71,9 @@ def main():
     cpus = tf.config.list_physical_devices("CPU")
     tf.config.set_logical_device_configuration(
         cpus[0], [tf.config.LogicalDeviceConfiguration()] * args.replicas)
+    # One thread per op: each replica's ops run on one core at a time, as a device of its own
+    # would (with a shared pool, one replica's matmul takes every core and the other waits).
+    tf.config.threading.set_intra_op_parallelism_threads(1)
     import tf_hetbatch as hb  # after the devices are configured
 
     train_images, train_labels, source = fashion_mnist.load_uint8("train", args.train_samples)
@@ -184,6 +187,10 @@ def main():
         train_accuracy.reset_state()
         test_accuracy.reset_state()
     balancer.end()
+    for window in balancer.windows[-3:]:
+        print(f"  window at step {window['step']}: samples {window['samples_per_step']}, "
+              f"compute ms {[round(t * 1000, 1) for t in window['time_per_step']]}, "
+              f"step ms {window['step_time'] * 1000:.1f}")
     for entry in balancer.history:
         print(f"  step {entry['step']}: {entry['old']} -> {entry['new']} ({entry['reason']})")
     if args.summary:
