@@ -115,6 +115,6 @@ def test_custom_loop_tiny_mode_runs_the_tutorial_with_a_balancer(tmp_path):
                str(summary_path)], 300)
     assert "Epoch 2, Loss:" in out
     summary = json.loads(summary_path.read_text())
-    assert summary["history"][0]["new"] == [64, 64, 64]
-    assert sum(summary["batch_sizes"]) == 192
+    assert summary["history"][0]["new"] == [64, 64]
+    assert sum(summary["batch_sizes"]) == 128
     assert glob.glob(str(tmp_path / "ckpt" / "ckpt-2*"))  # the balancer saved with the run
