@@ -186,7 +186,31 @@ def heterogeneity_lines(res, args, when):
     worst = max(run["summary"]["dynamic"]["over_ideal"]["median"] for run in res["runs"])
     lines += ["", f"Target: dynamic step within 10% of the ideal at every H: worst median "
                   f"dynamic/ideal {worst:.3f} ({'met' if worst <= 1.10 else 'MISSED'})."]
-    return lines
+    return lines + no_harm_lines(res)
+
+
+def no_harm_spread(run):
+    """The even split's own round-to-round spread of its epoch time: half its range over
+    its median (what two rounds of the same policy differ by, in this run)."""
+    epochs = [r["even_epoch_s"] for r in run["rounds"]]
+    return (max(epochs) - min(epochs)) / 2 / float(np.median(epochs))
+
+
+def no_harm_lines(res):
+    """Do no harm: dynamic / even epoch speed, per H, against the even split's own spread.
+    Target: >= 0.98 where nothing can be gained (H = 1); at H >= 2, not below the even
+    split by more than the spread."""
+    lines = ["", "Do no harm (epoch speed dynamic / even, same round; median (min-max) over "
+                 "rounds; spread: the even split's own half-range over its median):"]
+    rows = []
+    for run in res["runs"]:
+        ratio = run["summary"]["dynamic"]["speedup_epoch"]
+        spread = no_harm_spread(run)
+        floor = 0.98 if run["h"] <= 1 else 1.0 - spread
+        rows.append([f"{run['h']:g}", bc.fmt_stats(ratio, digits=3), f"{spread * 100:.1f}%",
+                     f">= {floor:.3f}", "met" if ratio["median"] >= floor else "MISSED"])
+        run["summary"]["no_harm"] = {"ratio": ratio, "spread": spread, "floor": floor}
+    return lines + bc.table(["H", "dynamic / even", "even spread", "target", "verdict"], rows)
 
 
 def run_interference(args, tiny, workdir):
