@@ -39,36 +39,15 @@ class DynamicBatching(keras.callbacks.Callback):
     measurements always give the same split, on every worker.
 
     Args:
-        initial: the static split. `"flops"` (default): proportional to each replica device's
-            nominal peak FLOP/s (`tf_hetbatch.core.devices`; identical devices give the even
-            split). `"probe"`: `probe_steps` measured steps on the even split, then
-            proportional to the measured throughputs. `"uniform"`: the even split. Or a list
-            of K ints summing to B.
-        controller: `"model"` (default, `ModelBasedController`), `"proportional"`
-            (`ProportionalController`), or an object implementing
-            `tf_hetbatch.core.protocols.Controller`: `init(sizes)` and
-            `update(state, sizes, times, step_time=None) -> (sizes, state)` (it keeps its
-            own bounds).
-        min_sizes: smallest batch per replica, int or one int per replica (>= 0). Default 1.
-        max_sizes: largest batch per replica, int, one int per replica, or None (B). A max of
-            0 (with a min of 0) keeps a replica out of the split: it gets empty batches.
-        warmup_steps: steps at the start of every `fit` left unmeasured (tracing). Default 5.
-            Asynchronous training also waits until every worker finished 2 updates.
-        interval: steps per measurement window (>= 1). Default 10.
-        probe_steps: steps measured by `initial="probe"` (>= 1). Default 10.
-        log_dir: when set, the chief writes the balance dashboards there (`BalanceWriter`:
-            runs `<log_dir>/hetbatch/replica_<k>` and `<log_dir>/hetbatch/cluster`, next to
-            `keras.callbacks.TensorBoard(log_dir)`), and at the end of training, if matplotlib
-            is installed, the PNG `<log_dir>/hetbatch_balance.png`.
-        verbose: 0 logs changes at DEBUG, 1 at INFO (through `logging`, never printed).
+        initial, controller, min_sizes, max_sizes, warmup_steps, interval, probe_steps,
+        log_dir, verbose: the balancer's options, as for `tf_hetbatch.Balancer` (the
+        strategy is the model's). `warmup_steps` are the first steps of every `fit`; the PNG
+        is written at the end of training.
 
     Attributes:
-        history: list of dicts `{"step", "old", "new", "reason"}`, one per split applied
-            (the first is the initial split).
-        windows: list of dicts `{"step", "samples_per_step", "time_per_step", "step_time",
-            "used"}`, one per measured window (in memory only, the last 10000).
-        controller_state: the controller's current state (None before the first split).
-        batch_sizes: the split applied last (None before the first split).
+        balancer: the `Balancer` it drives.
+        history, windows, controller_state, batch_sizes, settled_batch_sizes: the
+            balancer's (see `Balancer`).
 
     Raises:
         ValueError, TypeError: on invalid arguments (when constructed; also `min_sizes` above
