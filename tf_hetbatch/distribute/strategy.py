@@ -96,7 +96,7 @@ class HeteroMixin:
 
         Callable at any time, also during `fit` (e.g. from a callback). No retrace, no restart:
         the input pipeline reads the sizes once per global batch, so the change reaches the
-        replicas with the global batches produced after the call, typically 2 to 4 steps later
+        replicas with the global batches produced after the call, at most `PIPELINE_LEAD_STEPS` (3) steps later
         (the distributed iterator prefetches). Gradient weights and timing always follow the
         actual batch shapes of each step, so that lag never costs exactness.
 
