@@ -383,7 +383,7 @@ def split_global_batches(
     small model's step on 2 cores (see BUILD_NOTES, "Overhead").
     """
     first, count = replica_range if replica_range is not None else (0, num_replicas)
-    finish = plan.finish_slice if plan is not None else None
+    per_slice = plan.per_slice if plan is not None else None
     if plan is not None:
         dataset = plan.raw
 
@@ -400,7 +400,7 @@ def split_global_batches(
         slices = None
         for k in range(first, first + count):
             own = tf.nest.pack_sequence_as(element, [column[k] for column in columns])
-            piece = tf.data.Dataset.from_tensors(own) if finish is None else finish(own)
+            piece = tf.data.Dataset.from_tensors(own) if per_slice is None else per_slice(own)
             slices = piece if slices is None else slices.concatenate(piece)
         return slices
 
@@ -410,8 +410,8 @@ def split_global_batches(
         weights_in_raw = plan is None or plan.weights_in_raw
         per_batch = allocation.annotate(dataset, to_slices, weights_in_raw)
     slices = tf_data.flat_map_host(per_batch, _itself)
-    if plan is not None and plan.finish_slices is not None:
-        slices = plan.finish_slices(slices)
+    if plan is not None and plan.on_slice_stream is not None:
+        slices = plan.on_slice_stream(slices)
     # One global batch ahead of training (the moved work too, as the user's prefetch did it
     # before; that prefetch now holds raw batches, before the split's bookkeeping). A fixed
     # buffer bounds how far the bookkeeping runs ahead of training, which a switch's start

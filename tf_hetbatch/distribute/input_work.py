@@ -77,19 +77,20 @@ class InputPlan:
     Attributes:
         raw: the dataset of global batches every worker produces identically (the user's
             pipeline when nothing is moved; its part before the split point otherwise).
-        finish_slice: None, or a function of one replica's slice of a raw global batch that
+        per_slice: None, or a function of ONE replica's slice of a raw global batch that
             returns a dataset of exactly one element: the finished slice.
-        finish_slices: None, or a function applied to the dataset of all slices, in order.
+        on_slice_stream: None, or a function applied to the dataset of ALL slices, in order
+            (e.g. Keras's array gather, which zips the slices with the arrays).
         moved: the number of transformations moved after the split (0: runs unsplit).
         reason: why nothing is moved (empty when something is, or there is nothing to move).
         weights_in_raw: whether the raw global batches carry the finished structure, so a
             sample weight can be read from them (not when maps run after the split).
     """
 
-    def __init__(self, raw, finish_slice=None, finish_slices=None, moved=0, reason=""):
+    def __init__(self, raw, per_slice=None, on_slice_stream=None, moved=0, reason=""):
         self.raw = raw
-        self.finish_slice: Optional[Callable] = finish_slice
-        self.finish_slices: Optional[Callable] = finish_slices
+        self.per_slice: Optional[Callable] = per_slice
+        self.on_slice_stream: Optional[Callable] = on_slice_stream
         self.moved = moved
         self.reason = reason
 
@@ -109,60 +110,77 @@ def plan(dataset, owns_every_replica, seed=None, evaluation=False):
 
     Never raises for a pipeline it cannot read: that pipeline runs unsplit.
     """
-    steps = tf_data.pipeline_steps(dataset)
-    top = 0
-    while steps[top].kind in _KEPT_ON_TOP:
-        top += 1
+    pipeline = _Pipeline(dataset)
+    gather = tf_data.keras_array_gather(pipeline.steps[pipeline.top])
+    if gather is not None:  # Keras's array input: index batches, then a gather of each
+        return _array_input_plan(pipeline, gather, owns_every_replica)
+    after = pipeline.top
+    while pipeline.steps[after].kind == "map":
+        after += 1
+    if pipeline.steps[after].kind == "split_marker":  # maps after it act on each sample
+        return _marked_plan(pipeline, after, owns_every_replica)
+    if after > pipeline.top:
+        return InputPlan(dataset, reason=(
+            f"{after - pipeline.top} map(s) run after batch() on whole global batches, and "
+            "nothing says they act on each sample on its own. Fix: map per sample before "
+            "batch(), or mark batch-level maps that are per sample with "
+            ".apply(tf_hetbatch.split_here()) right after batch()"
+        ))
+    return _batch_plan(pipeline, owns_every_replica, seed, evaluation)
 
-    def rebuilt(raw):
+
+class _Pipeline:
+    """A user's pipeline read as steps (`tf_data.pipeline_steps`): `top` is the first step
+    under the transformations of whole global batches that stay on top (`_KEPT_ON_TOP`)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.steps = tf_data.pipeline_steps(dataset)
+        self.top = 0
+        while self.steps[self.top].kind in _KEPT_ON_TOP:
+            self.top += 1
+
+    def rebuilt(self, raw):
         """`raw` with the top transformations the user put after the split point."""
-        for step in reversed(steps[:top]):
+        for step in reversed(self.steps[:self.top]):
             if step.kind == "prefetch":
                 raw = raw.prefetch(step.buffer_size)
             elif step.kind in ("repeat", "take", "skip"):
                 raw = getattr(raw, step.kind)(step.count)
-        return raw.with_options(dataset.options())
+        return raw.with_options(self.dataset.options())
 
-    # Keras's array input: index batches, then a gather of each batch.
-    gather = tf_data.keras_array_gather(steps[top])
-    if gather is not None:
-        if owns_every_replica:
-            return InputPlan(dataset)
-        indices, arrays = gather
-        step = steps[top]
 
-        def finish_slices(slices):
-            return tf_data.replay_map(tf.data.Dataset.zip((slices, arrays)), step)
+def _array_input_plan(pipeline, gather, owns_every_replica):
+    """Keras's array input: each worker gathers only its own replicas' indices."""
+    if owns_every_replica:
+        return InputPlan(pipeline.dataset)
+    indices, arrays = gather
+    step = pipeline.steps[pipeline.top]
 
-        return InputPlan(rebuilt(indices), finish_slices=finish_slices, moved=1)
+    def on_slice_stream(slices):
+        return tf_data.replay_map(tf.data.Dataset.zip((slices, arrays)), step)
 
-    # The explicit marker: maps after it act on each sample of a batch.
-    after = top
-    while steps[after].kind == "map":
-        after += 1
-    if steps[after].kind == "split_marker":
-        if owns_every_replica:
-            return InputPlan(dataset)
-        maps = steps[top:after]
-        if not maps:
-            return InputPlan(dataset)
+    return InputPlan(pipeline.rebuilt(indices), on_slice_stream=on_slice_stream, moved=1)
 
-        def finish_marked(slices):
-            for step in reversed(maps):
-                slices = tf_data.replay_map(slices, step)
-            return slices
 
-        return InputPlan(rebuilt(steps[after].input), finish_slices=finish_marked,
-                         moved=len(maps))
-    if after > top:
-        return InputPlan(dataset, reason=(
-            f"{after - top} map(s) run after batch() on whole global batches, and nothing says "
-            "they act on each sample on its own. Fix: map per sample before batch(), or mark "
-            "batch-level maps that are per sample with .apply(tf_hetbatch.split_here()) right "
-            "after batch()"
-        ))
+def _marked_plan(pipeline, marker, owns_every_replica):
+    """`.batch(B).apply(split_here()).map(g)*`: the maps run on each replica slice."""
+    maps = pipeline.steps[pipeline.top:marker]
+    if owns_every_replica or not maps:
+        return InputPlan(pipeline.dataset)
 
-    # The idiomatic form: per-sample maps right under the batch.
+    def on_slice_stream(slices):
+        for step in reversed(maps):
+            slices = tf_data.replay_map(slices, step)
+        return slices
+
+    return InputPlan(pipeline.rebuilt(pipeline.steps[marker].input),
+                     on_slice_stream=on_slice_stream, moved=len(maps))
+
+
+def _batch_plan(pipeline, owns_every_replica, seed, evaluation):
+    """The idiomatic form: per-sample maps (and shuffles) right under `batch(B)`."""
+    steps, top, dataset = pipeline.steps, pipeline.top, pipeline.dataset
     batch = steps[top]
     if batch.kind != "batch":
         return InputPlan(dataset, reason=(
@@ -179,18 +197,9 @@ def plan(dataset, owns_every_replica, seed=None, evaluation=False):
     maps = [step for step in under if step.kind == "map"]
     reseed = (seed is not None and not evaluation
               and any(step.kind == "shuffle" and not step.seeded for step in under))
-    reason = ""
     empty = _empty_batch(batch.dataset.element_spec)
-    if not maps and not owns_every_replica:
-        between = tf_data.first_map_below(steps[below - 1].input if under else batch.input)
-        if between is not None:
-            reason = (f"its per-sample maps are not right under batch(): {between} stands "
-                      "between them. Fix: put the per-sample maps right before batch(), or mark "
-                      "the split point with .apply(tf_hetbatch.split_here())")
-    elif maps and not owns_every_replica and empty is None:
-        reason = ("the per-sample maps' outputs have no static shape, so an empty replica slice "
-                  f"cannot be built (element_spec={batch.dataset.element_spec}). Fix: give them "
-                  "static shapes, e.g. with tf.ensure_shape in the last map")
+    reason = "" if owns_every_replica else _why_not_moved(steps, batch, below, under, maps,
+                                                          empty)
     move = bool(maps) and not owns_every_replica and not reason
     if not move and not reseed:
         return InputPlan(dataset, reason=reason)
@@ -203,11 +212,11 @@ def plan(dataset, owns_every_replica, seed=None, evaluation=False):
             source = tf_data.replay_map(source, step)
     if reseed:
         logger.debug("unseeded shuffle given the workers' agreed seed %d", seed)
-    raw = source.batch(batch.batch_size, drop_remainder=batch.drop_remainder)
+    raw = pipeline.rebuilt(source.batch(batch.batch_size, drop_remainder=batch.drop_remainder))
     if not move:
-        return InputPlan(rebuilt(raw), reason=reason)
+        return InputPlan(raw, reason=reason)
 
-    def finish_slice(raw_slice):
+    def per_slice(raw_slice):
         samples = tf.data.Dataset.from_tensor_slices(raw_slice)
         for step in reversed(maps):  # innermost first
             samples = tf_data.replay_map(samples, step)
@@ -217,7 +226,22 @@ def plan(dataset, owns_every_replica, seed=None, evaluation=False):
         batched = samples.batch(tf.maximum(n, 1))
         return batched.concatenate(tf.data.Dataset.from_tensors(empty)).take(1)
 
-    return InputPlan(rebuilt(raw), finish_slice=finish_slice, moved=len(maps))
+    return InputPlan(raw, per_slice=per_slice, moved=len(maps))
+
+
+def _why_not_moved(steps, batch, below, under, maps, empty):
+    """Why the per-sample maps under the batch cannot run after the split ("" if they can)."""
+    if not maps:
+        between = tf_data.first_map_below(steps[below - 1].input if under else batch.input)
+        if between is not None:
+            return (f"its per-sample maps are not right under batch(): {between} stands "
+                    "between them. Fix: put the per-sample maps right before batch(), or mark "
+                    "the split point with .apply(tf_hetbatch.split_here())")
+    elif empty is None:
+        return ("the per-sample maps' outputs have no static shape, so an empty replica slice "
+                f"cannot be built (element_spec={batch.dataset.element_spec}). Fix: give them "
+                "static shapes, e.g. with tf.ensure_shape in the last map")
+    return ""
 
 
 def has_unseeded_shuffle(dataset) -> bool:

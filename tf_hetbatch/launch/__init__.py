@@ -33,6 +33,7 @@ Example:
     result = launch(["train.py"], num_workers=2, preempt="20:1/term")
 """
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -133,60 +134,47 @@ def launch(script_argv: Sequence[str], num_workers: int,
            server_command: Optional[Sequence[str]] = None) -> LaunchResult:
     """Runs ``script_argv`` as a TF_CONFIG cluster on 127.0.0.1.
 
-    With ``num_ps=0`` (default) the script runs as ``num_workers`` worker processes
-    (``{"cluster": {"worker": [...]}}``, MultiWorkerMirroredStrategy). With ``num_ps >= 1``
-    the cluster is ``{"chief": [1], "ps": [num_ps], "worker": [num_workers]}``
-    (ParameterServerStrategy): the chief runs the script, every ps and worker task runs
-    ``server_command``.
+    With ``num_ps=0`` the script runs as ``num_workers`` worker processes (a
+    MultiWorkerMirroredStrategy cluster); with ``num_ps >= 1`` the cluster is one chief (the
+    script), ``num_ps`` parameter servers and ``num_workers`` workers (``server_command``).
 
     Args:
-        script_argv: ``[script, *args]``; a ``.py`` script runs under ``python``, any other
-            executable directly.
-        num_workers: number of worker processes, >= 1.
-        cpus: CPU cap per worker (floats, None = uncapped), or text ``"0.2,none,0.9"``.
-            The chief and the parameter servers are never capped.
-        schedule: cap changes mid-run: text ``"30:1=0.1;60:1=0.3"`` (seconds since the
-            workers started: worker=cap) or a list of :class:`CapChange`. Restarts start
-            the clock again.
-        max_restarts: how often the whole cluster is started again (new ports) after a
-            fatal failure (any worker without parameter servers; the chief or a ps with
-            them). Default 0. An attempt that ends because a task exited with
-            ``RESTART_EXIT_CODE`` (a worker, or the chief, that saved on a preemption notice)
-            and none failed always starts the cluster again, and does not count here (as a
-            Kubernetes Job's podFailurePolicy ``Ignore`` rule); the other tasks get
-            ``supervisor.RESTART_EXIT_WAIT_S`` seconds to exit by themselves first.
+        script_argv: ``[script, *args]``; a ``.py`` script runs under ``python``.
+        num_workers: worker processes, >= 1.
+        cpus: CPU cap per worker (floats, None = uncapped), or text ``"0.2,none,0.9"``; the
+            chief and parameter servers are never capped.
+        schedule: cap changes mid-run, ``"30:1=0.1;60:1=0.3"`` (seconds since the workers
+            started: worker=cap) or :class:`CapChange` s; restarts start the clock again.
+        max_restarts: restarts of the whole cluster (new ports) after a fatal failure.
+            Default 0. An attempt ended by a task exiting with ``RESTART_EXIT_CODE`` (a save
+            on a preemption notice) always restarts and is not counted (as a Kubernetes
+            podFailurePolicy ``Ignore`` rule); the others get
+            ``supervisor.RESTART_EXIT_WAIT_S`` seconds to exit first.
         cap_method: "auto" (cgroup v1, v2, then duty cycle), "cgroup", "duty-cycle", "none".
         period_ms: cap period; default 10 ms for cgroups, 100 ms for the duty cycle.
-        timeout: seconds for the whole launch, restarts included; then everything is
-            stopped and the return code is 124. Default: none.
-        threads: if set, TF_NUM_INTEROP_THREADS, TF_NUM_INTRAOP_THREADS, OMP_NUM_THREADS
-            of every task; with parameter servers the worker tasks get at least 2 inter-op
-            threads (with 1 a ParameterServerStrategy worker deadlocks).
+        timeout: seconds for the whole launch, restarts included; then everything stops
+            and the return code is 124. Default: none.
+        threads: TF_NUM_INTEROP_THREADS, TF_NUM_INTRAOP_THREADS, OMP_NUM_THREADS of every
+            task (parameter-server workers get at least 2 inter-op threads: with 1 they
+            deadlock).
         env: extra environment variables for every task (applied last).
-        python: interpreter for ``.py`` scripts and the default server; default
-            ``sys.executable``.
-        grace: seconds between SIGTERM and SIGKILL when stopping tasks, and after a
-            preemption notice (``/term``). Default 30 (``supervisor.DEFAULT_GRACE_S``): a
-            tf_hetbatch worker's save and exit on a notice took up to 7.5 s here, and 30 s
-            is Kubernetes' default ``terminationGracePeriodSeconds``. Tasks that exit sooner
-            are not waited for.
-        stdout, stderr: where the ``[worker i] ``-prefixed lines go (``[chief] ``,
-            ``[ps i] `` too with parameter servers); default sys.stdout / sys.stderr at
-            call time.
-        handle_signals: in the main thread, turn SIGINT/SIGTERM of this process into a
-            clean stop of the cluster (restored afterwards). Default True.
-        num_ps: number of parameter servers; 0 (default) for a worker-only cluster.
-        preempt: preemption events: text ``"30:1+10;60:0/term"`` (at 30 s SIGKILL worker 1's
-            process group and start it again 10 s later with the same TF_CONFIG; at 60 s
-            give worker 0 a notice: SIGTERM, SIGKILL ``grace`` seconds later if it still
-            runs) or a list of :class:`Preemption`. Times count from the
-            first start of the cluster; each event happens once per launch. Without
-            parameter servers a preemption is a worker failure (the attempt ends;
-            ``max_restarts`` applies) and ``+D`` restarts are not allowed. A restarted
-            worker keeps its CPU cap.
-        server_command: command of the ps and worker tasks (each gets its TF_CONFIG in the
-            environment); default ``[python, "-m", "tf_hetbatch.launch.server"]``. Only with
-            ``num_ps >= 1``.
+        python: interpreter for ``.py`` scripts and the default server (``sys.executable``).
+        grace: seconds from SIGTERM to SIGKILL when stopping tasks and after a notice
+            (``/term``). Default 30 (``supervisor.DEFAULT_GRACE_S``): a worker's save and exit
+            on a notice took up to 7.5 s here; 30 s is Kubernetes' default
+            ``terminationGracePeriodSeconds``. Tasks that exit sooner are not waited for.
+        stdout, stderr: where the ``[worker i] ``-prefixed lines go (default the
+            current ``sys.stdout`` / ``sys.stderr``).
+        handle_signals: in the main thread, SIGINT/SIGTERM of this process stop the cluster
+            cleanly (handlers restored afterwards). Default True.
+        num_ps: parameter servers; 0 (default) for a worker-only cluster.
+        preempt: preemptions, ``"30:1+10;60:0/term"`` (at 30 s SIGKILL worker 1 and start
+            it again 10 s later; at 60 s a notice to worker 0: SIGTERM, then SIGKILL after
+            ``grace``) or :class:`Preemption` s; times from the first start, each once per
+            launch. Without parameter servers a preemption is a worker failure
+            (``max_restarts`` applies; no ``+D``). A restarted worker keeps its cap.
+        server_command: the ps and worker tasks' command (default
+            ``[python, "-m", "tf_hetbatch.launch.server"]``); only with ``num_ps >= 1``.
 
     Returns:
         A :class:`LaunchResult`; ``result.ok`` only if every worker exited 0 (with
@@ -196,33 +184,18 @@ def launch(script_argv: Sequence[str], num_workers: int,
         ValueError: bad argument (the message names the value and the fix).
         RuntimeError: ``cap_method="cgroup"`` but no writable cgroup hierarchy.
     """
-    num_workers = check_int("num_workers", num_workers, 1, "pass e.g. num_workers=2.")
-    num_ps = check_int("num_ps", num_ps, 0, "pass 0 for a worker-only "
-                       "(MultiWorkerMirroredStrategy) cluster, or e.g. num_ps=1 for a "
-                       "chief + parameter server + workers (ParameterServerStrategy).")
-    command = cluster.resolve_command(script_argv, python)
-    caps_list = validate_cpus(cpus, num_workers) or [None] * num_workers
-    changes = validate_schedule(schedule, num_workers)
-    preemptions = validate_preemptions(preempt, num_workers, num_ps)
-    servers = _server_command(server_command, num_ps, python)
-    max_restarts = check_int("max_restarts", max_restarts, 0, "pass 0 for no restarts.")
-    if threads is not None:
-        check_int("threads", threads, 1, "pass e.g. threads=1, or None for TF's default.")
-    timeout = _check_seconds(timeout, "timeout")
-    grace = _check_seconds(grace, "grace")
-    if cap_method not in CAP_METHODS:
-        raise ValueError(f"`cap_method` must be one of {CAP_METHODS}. "
-                         f"Received: cap_method={cap_method!r}")
-    wants_caps = any(c is not None for c in caps_list) or bool(changes)
-    if cap_method == "none" and wants_caps:
-        raise ValueError(f"cap_method='none' but CPU caps were given (cpus={caps_list}, "
-                         f"{len(changes)} schedule changes). Fix: drop the caps or use "
-                         f"cap_method='auto'.")
-    stdout = stdout or sys.stdout
-    stderr = stderr or sys.stderr
+    run = _LaunchRun.validated(
+        script_argv, num_workers, num_ps, cpus, schedule, preempt, server_command, python,
+        max_restarts, cap_method, period_ms, timeout, threads, env, grace, stdout, stderr)
+    stop, received = threading.Event(), []
+    with _stopped_by_signals(handle_signals, stop, received):
+        return run.attempts(stop, received)
 
-    stop = threading.Event()
-    received = []
+
+@contextlib.contextmanager
+def _stopped_by_signals(handle_signals, stop, received):
+    """In the main thread (if `handle_signals`): SIGINT/SIGTERM set `stop` (recorded in
+    `received`) instead of ending the process; the old handlers come back afterwards."""
 
     def on_signal(signum, _frame):
         received.append(signum)
@@ -232,31 +205,98 @@ def launch(script_argv: Sequence[str], num_workers: int,
     if handle_signals and threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             old_handlers[sig] = signal.signal(sig, on_signal)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    base_env = dict(os.environ)
-    plan = PreemptionPlan(preemptions)
-    events: List[str] = []
-    num_tasks = num_workers if not num_ps else 1 + num_ps + num_workers
-    if num_ps and threads is not None and threads < WORKER_MIN_INTEROP_THREADS:
-        logger.info("threads=%d, but worker tasks of a parameter-server cluster get "
-                    "TF_NUM_INTEROP_THREADS=%d (with 1 they deadlock).", threads,
-                    WORKER_MIN_INTEROP_THREADS)
     try:
-        with make_caps(cap_method, num_workers, period_ms, needed=wants_caps) as caps:
-            if wants_caps:
-                logger.info("CPU caps: %s; caps %s", caps.description, caps_list)
+        yield
+    finally:
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+
+
+@dataclasses.dataclass
+class _LaunchRun:
+    """One launch's validated settings (see `launch`), and its attempts."""
+
+    command: List[str]
+    num_workers: int
+    num_ps: int
+    caps_list: List[Optional[Cap]]
+    changes: List[CapChange]
+    plan: PreemptionPlan
+    servers: List[str]
+    max_restarts: int
+    cap_method: str
+    period_ms: Optional[float]
+    timeout: Optional[float]
+    threads: Optional[int]
+    env: Optional[Mapping[str, str]]
+    grace: float
+    stdout: IO[str]
+    stderr: IO[str]
+
+    @classmethod
+    def validated(cls, script_argv, num_workers, num_ps, cpus, schedule, preempt,
+                  server_command, python, max_restarts, cap_method, period_ms, timeout,
+                  threads, env, grace, stdout, stderr) -> "_LaunchRun":
+        """`launch`'s arguments checked (the messages name the value and the fix)."""
+        num_workers = check_int("num_workers", num_workers, 1, "pass e.g. num_workers=2.")
+        num_ps = check_int("num_ps", num_ps, 0, "pass 0 for a worker-only "
+                           "(MultiWorkerMirroredStrategy) cluster, or e.g. num_ps=1 for a "
+                           "chief + parameter server + workers (ParameterServerStrategy).")
+        if threads is not None:
+            check_int("threads", threads, 1, "pass e.g. threads=1, or None for TF's default.")
+        if cap_method not in CAP_METHODS:
+            raise ValueError(f"`cap_method` must be one of {CAP_METHODS}. "
+                             f"Received: cap_method={cap_method!r}")
+        run = cls(
+            command=cluster.resolve_command(script_argv, python), num_workers=num_workers,
+            num_ps=num_ps, caps_list=validate_cpus(cpus, num_workers) or [None] * num_workers,
+            changes=validate_schedule(schedule, num_workers),
+            plan=PreemptionPlan(validate_preemptions(preempt, num_workers, num_ps)),
+            servers=_server_command(server_command, num_ps, python),
+            max_restarts=check_int("max_restarts", max_restarts, 0, "pass 0 for no restarts."),
+            cap_method=cap_method, period_ms=period_ms,
+            timeout=_check_seconds(timeout, "timeout"), threads=threads, env=env,
+            grace=_check_seconds(grace, "grace"), stdout=stdout or sys.stdout,
+            stderr=stderr or sys.stderr)
+        if cap_method == "none" and run.wants_caps:
+            raise ValueError(f"cap_method='none' but CPU caps were given (cpus="
+                             f"{run.caps_list}, {len(run.changes)} schedule changes). Fix: "
+                             "drop the caps or use cap_method='auto'.")
+        return run
+
+    @property
+    def wants_caps(self) -> bool:
+        return any(c is not None for c in self.caps_list) or bool(self.changes)
+
+    def attempts(self, stop, received) -> LaunchResult:
+        """Starts the cluster until an attempt ends other than by a failure to restart."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        base_env = dict(os.environ)
+        events: List[str] = []
+        num_tasks = self.num_workers if not self.num_ps else 1 + self.num_ps + self.num_workers
+        if self.num_ps and self.threads is not None \
+                and self.threads < WORKER_MIN_INTEROP_THREADS:
+            logger.info("threads=%d, but worker tasks of a parameter-server cluster get "
+                        "TF_NUM_INTEROP_THREADS=%d (with 1 they deadlock).", self.threads,
+                        WORKER_MIN_INTEROP_THREADS)
+        with make_caps(self.cap_method, self.num_workers, self.period_ms,
+                       needed=self.wants_caps) as caps:
+            if self.wants_caps:
+                logger.info("CPU caps: %s; caps %s", caps.description, self.caps_list)
             attempt = failures = 0
             while True:
                 reservation = cluster.PortReservation(num_tasks)
                 try:
-                    tasks = _tasks(reservation.ports, num_ps, num_workers, attempt, command,
-                                   servers, base_env, threads, env)
+                    tasks = _tasks(reservation.ports, self.num_ps, self.num_workers, attempt,
+                                   self.command, self.servers, base_env, self.threads,
+                                   self.env)
                     logger.info("Attempt %d: %s", attempt, ", ".join(
                         f"{t.name} at {cluster.HOST}:{p}"
                         for t, p in zip(tasks, reservation.ports)))
-                    outcome = run_attempt(tasks, reservation, num_ps > 0, attempt, caps,
-                                          caps_list, changes, plan, stdout, stderr, grace,
-                                          deadline, stop, events)
+                    outcome = run_attempt(tasks, reservation, self.num_ps > 0, attempt, caps,
+                                          self.caps_list, self.changes, self.plan,
+                                          self.stdout, self.stderr, self.grace, deadline,
+                                          stop, events)
                 finally:
                     reservation.release()
                 if outcome.reason == "restart":
@@ -265,18 +305,15 @@ def launch(script_argv: Sequence[str], num_workers: int,
                                 "restarting the cluster (not counted in max_restarts).",
                                 RESTART_EXIT_CODE)
                     continue
-                if outcome.reason != "failed" or failures >= max_restarts:
+                if outcome.reason != "failed" or failures >= self.max_restarts:
                     break
                 attempt += 1
                 failures += 1
                 logger.warning("%s failed (%s); restarting the cluster (restart %d of %d).",
                                outcome.failed.name, outcome.failed.describe(), failures,
-                               max_restarts)
-            return _result(outcome, attempt + 1, max_restarts, timeout, received,
+                               self.max_restarts)
+            return _result(outcome, attempt + 1, self.max_restarts, self.timeout, received,
                            caps.method, events, failures)
-    finally:
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
 
 
 def _server_command(command: Optional[Sequence[str]], num_ps: int,

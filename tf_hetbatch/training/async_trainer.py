@@ -193,26 +193,8 @@ class AsyncTrainer:
             ValueError: bad arguments, or a dataset of batches instead of examples.
             ParameterServerLostError: a parameter server was lost (resume from the checkpoint).
         """
-        check_int("batch_size", batch_size, 1, "e.g. batch_size=32.")
-        check_int("epochs", epochs, 1, "e.g. epochs=10.")
-        check_int("initial_epoch", initial_epoch, 0, "e.g. initial_epoch=0.")
-        if steps_per_epoch is None:
-            raise ValueError("`steps_per_epoch` is required: asynchronous workers read "
-                             "endless streams, so an epoch is a number of updates. Fix: pass "
-                             "e.g. steps_per_epoch=len(train_examples) // batch_size.")
-        check_int("steps_per_epoch", steps_per_epoch, 1,
-                  "e.g. steps_per_epoch=len(train_examples) // batch_size.")
-        if not callable(dataset_fn):
-            raise ValueError("`dataset_fn` must be a function input_context -> tf.data.Dataset "
-                             f"of examples. Received: dataset_fn={dataset_fn!r}")
-        if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
-            raise ValueError("`validation_data` must be a tf.data.Dataset of batches (checked "
-                             "now, before an epoch of training is spent). Received: "
-                             f"{type(validation_data).__name__}. Fix: tf.data.Dataset."
-                             "from_tensor_slices((x, y)).batch(256).")
-        if validation_steps is not None:
-            check_int("validation_steps", validation_steps, 1,
-                      "e.g. validation_steps=10, or None for all.")
+        _check_fit_arguments(dataset_fn, batch_size, epochs, steps_per_epoch,
+                             validation_data, validation_steps, initial_epoch)
         verbose = 1 if verbose == "auto" else verbose
         self.strategy.set_global_batch_size(batch_size * self.strategy.num_workers)
         iterator = self._per_worker_iterator(dataset_fn)
@@ -502,6 +484,32 @@ def _wait_outstanding(pending, limit):
         parameter_server.wait_remote_value(pending[0], timeout=0.05)
         pending = [rv for rv in pending if not parameter_server.remote_value_done(rv)]
     return pending
+
+
+
+def _check_fit_arguments(dataset_fn, batch_size, epochs, steps_per_epoch, validation_data,
+                         validation_steps, initial_epoch) -> None:
+    """`AsyncTrainer.fit`'s arguments, checked before anything starts (see its Raises)."""
+    check_int("batch_size", batch_size, 1, "e.g. batch_size=32.")
+    check_int("epochs", epochs, 1, "e.g. epochs=10.")
+    check_int("initial_epoch", initial_epoch, 0, "e.g. initial_epoch=0.")
+    if steps_per_epoch is None:
+        raise ValueError("`steps_per_epoch` is required: asynchronous workers read "
+                         "endless streams, so an epoch is a number of updates. Fix: pass "
+                         "e.g. steps_per_epoch=len(train_examples) // batch_size.")
+    check_int("steps_per_epoch", steps_per_epoch, 1,
+              "e.g. steps_per_epoch=len(train_examples) // batch_size.")
+    if not callable(dataset_fn):
+        raise ValueError("`dataset_fn` must be a function input_context -> tf.data.Dataset "
+                         f"of examples. Received: dataset_fn={dataset_fn!r}")
+    if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
+        raise ValueError("`validation_data` must be a tf.data.Dataset of batches (checked "
+                         "now, before an epoch of training is spent). Received: "
+                         f"{type(validation_data).__name__}. Fix: tf.data.Dataset."
+                         "from_tensor_slices((x, y)).batch(256).")
+    if validation_steps is not None:
+        check_int("validation_steps", validation_steps, 1,
+                  "e.g. validation_steps=10, or None for all.")
 
 
 def _is_dynamic_batching(callback) -> bool:
