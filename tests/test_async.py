@@ -18,6 +18,8 @@ from helpers import delete_checkpoint_index, truncate_checkpoint
 from tf_hetbatch.training import checkpoint_choice
 from tf_hetbatch.launch import launch
 
+pytestmark = pytest.mark.cluster  # real worker processes (or subprocesses): see setup.cfg
+
 HERE = os.path.join(os.path.dirname(__file__), "workers")
 TRAIN = os.path.join(HERE, "asp_train.py")
 EXACT = os.path.join(HERE, "asp_exact.py")

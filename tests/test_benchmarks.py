@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.cluster  # real worker processes (or subprocesses): see setup.cfg
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "examples", "benchmarks")
 TIMEOUT = 240  # a tiny mode takes < 60 s on a quiet machine; leave room for a busy one

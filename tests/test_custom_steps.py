@@ -226,6 +226,7 @@ def test_custom_loop_with_a_keras_loss_it_holds_is_weighted(cpus):
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "custom_step_train.py")
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("variant", [*custom_models.VARIANTS, "loop"])
 def test_custom_steps_on_two_workers_equal_one_device(tmp_path, variant):
     log = io.StringIO()

@@ -26,11 +26,11 @@ from test_summaries import (
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.cluster, pytest.mark.skipif(
     not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
     reason=f"needs Debian's chromium and chromium-driver ({CHROMIUM}, {CHROMEDRIVER}): "
            f"apt-get install chromium chromium-driver",
-)
+)]
 
 # Every custom-scalars chart card on the page: its category, title, the series listed under
 # "Matches" and the stroke colours of the drawn (non-empty) lines.

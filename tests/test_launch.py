@@ -17,6 +17,8 @@ from tf_hetbatch.launch import __main__ as cli
 from tf_hetbatch.launch.schedule import available_cpus
 from helpers import cgroups_writable, our_children
 
+pytestmark = pytest.mark.cluster  # real worker processes (or subprocesses): see setup.cfg
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Busy loop for DURATION s; prints its CPU use (CPU s / wall s) per WINDOW s and overall.

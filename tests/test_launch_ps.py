@@ -26,6 +26,8 @@ from tf_hetbatch.launch import __main__ as cli
 from tf_hetbatch.launch.cluster import live_groups
 from helpers import cgroups_writable, our_children
 
+pytestmark = pytest.mark.cluster  # real worker processes (or subprocesses): see setup.cfg
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
 

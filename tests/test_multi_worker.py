@@ -10,6 +10,8 @@ import pytest
 
 from tf_hetbatch.launch import launch
 
+pytestmark = pytest.mark.cluster  # real worker processes (or subprocesses): see setup.cfg
+
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "mw_train.py")
 sys.path.insert(0, os.path.dirname(WORKER))
 import mw_train  # noqa: E402

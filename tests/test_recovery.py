@@ -98,6 +98,7 @@ def checkpoints_in(directory):
 
 
 # ---------------------------------------------------------------------- multi-process -----
+@pytest.mark.cluster
 def test_notice_saves_at_one_step_and_a_kill_loses_only_steps_since_the_last_save(tmp_path):
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     # Attempt 0: worker 1 (not the chief) gets a SIGTERM after step 14: every worker saves at
@@ -147,6 +148,7 @@ def test_notice_saves_at_one_step_and_a_kill_loses_only_steps_since_the_last_sav
     assert (final["step"], final["epoch"], final["batch"]) == (30, 3, 0)
 
 
+@pytest.mark.cluster
 def test_resume_with_fewer_workers_resplits_the_global_batch(tmp_path):
     out3, out2, ckpt = tmp_path / "out3", tmp_path / "out2", tmp_path / "ckpt"
     # Three workers stop cleanly after step 14: mid-epoch 1, a checkpoint at the stop.
@@ -184,6 +186,7 @@ def stopped_at_step_14(tmp_path_factory):
     (truncate_checkpoint, "IndexError: Read less bytes than requested"),
     (delete_checkpoint_index, "its index file ckpt-14.index is missing"),
 ], ids=["truncated data", "deleted index"])
+@pytest.mark.cluster
 def test_workers_skip_a_damaged_newest_checkpoint_and_resume_exactly(tmp_path, stopped_at_step_14,
                                                                      damage, reason):
     ckpt = tmp_path / "ckpt"
@@ -207,6 +210,7 @@ def test_workers_skip_a_damaged_newest_checkpoint_and_resume_exactly(tmp_path, s
     np.testing.assert_array_equal(ids, np.sort(ids_of_steps(12, TOTAL_STEPS)))
 
 
+@pytest.mark.cluster
 def test_a_checkpoint_one_worker_cannot_read_is_skipped_by_every_worker(tmp_path,
                                                                         stopped_at_step_14):
     # A directory per worker, the same files but worker 1's newest cut short: as when one
@@ -225,6 +229,7 @@ def test_a_checkpoint_one_worker_cannot_read_is_skipped_by_every_worker(tmp_path
         assert max_diff(weights_of(weights, len(ref)), ref) <= 1e-5
 
 
+@pytest.mark.cluster
 def test_workers_with_no_readable_checkpoint_stop_with_the_named_error(tmp_path,
                                                                        stopped_at_step_14):
     ckpt = tmp_path / "ckpt"
