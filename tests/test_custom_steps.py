@@ -227,7 +227,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "custom_step_train.p
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("variant", [*custom_models.VARIANTS, "loop"])
+@pytest.mark.parametrize("variant", [*custom_models.VARIANTS, "loop", "loop_balanced"])
 def test_custom_steps_on_two_workers_equal_one_device(tmp_path, variant):
     log = io.StringIO()
     result = launch([WORKER, "--out", str(tmp_path), "--variant", variant, "--sizes", "5,27",
@@ -235,7 +235,7 @@ def test_custom_steps_on_two_workers_equal_one_device(tmp_path, variant):
                      "--switch-step", "3", "--switch-sizes", "20,12"],
                     2, threads=1, timeout=240, stdout=log, stderr=log, handle_signals=False)
     assert result.ok, result.message + "\n" + log.getvalue()[-4000:]
-    ref_variant = "compute_loss" if variant == "loop" else variant
+    ref_variant = "compute_loss" if variant.startswith("loop") else variant
     ref, ref_history = _train(None, ref_variant, n=320)
     for index in range(2):
         weights = np.load(tmp_path / f"worker{index}.npz")
@@ -244,9 +244,13 @@ def test_custom_steps_on_two_workers_equal_one_device(tmp_path, variant):
         info = json.loads((tmp_path / f"worker{index}.json").read_text())
         for key in ref_history:
             np.testing.assert_allclose(info["history"][key], ref_history[key], rtol=1e-5)
-        # 20 steps: the first 3 + DEFAULT_SWITCH_MARGIN at [5, 27], the rest at [20, 12].
-        np.testing.assert_array_equal(info["samples"], [5 * 11 + 20 * 9, 27 * 11 + 12 * 9])
-        assert all(s > 0 for s in info["seconds"])
+        if variant == "loop_balanced":  # a Balancer in the loop: the same on both workers
+            assert info["balancer"] == json.loads(
+                (tmp_path / "worker0.json").read_text())["balancer"]
+            assert info["balancer"]["history"][0]["new"] == [16, 16]
+        else:  # 20 steps: the first 3 + DEFAULT_SWITCH_MARGIN at [5, 27], then [20, 12].
+            np.testing.assert_array_equal(info["samples"], [5 * 11 + 20 * 9, 27 * 11 + 12 * 9])
+            assert all(s > 0 for s in info["seconds"])
         if variant == "compute_loss":
             xe, ye = custom_models.data(100, seed=5)
             expected = ref.evaluate(xe, ye, batch_size=50, verbose=0, return_dict=True)

@@ -36,8 +36,9 @@ class SwitchAt(keras.callbacks.Callback):
             self.strategy.set_batch_sizes(self.sizes)  # collective, every worker
 
 
-def train_loop(strategy, n, switch_step, switch_sizes):
-    """TensorFlow's custom-loop guide, with the loss scaled by the global batch."""
+def train_loop(strategy, n, switch_step, switch_sizes, balancer=None):
+    """TensorFlow's custom-loop guide, with the loss scaled by the global batch; with a
+    `balancer` (the guide plus one line), it balances instead of switching by hand."""
     with strategy.scope():
         model = custom_models.build("compute_loss")
         loss_object = keras.losses.MeanSquaredError(reduction="none")
@@ -73,7 +74,9 @@ def train_loop(strategy, n, switch_step, switch_sizes):
             total += float(distributed_train_step(batch))
             batches += 1
             step += 1
-            if step == switch_step:
+            if balancer is not None:
+                balancer.step_end()
+            elif step == switch_step:
                 strategy.set_batch_sizes(switch_sizes)
         history["loss"].append(total / batches)
         history["mae"].append(float(train_mae.result()))
@@ -83,7 +86,8 @@ def train_loop(strategy, n, switch_step, switch_sizes):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--variant", required=True, choices=[*custom_models.VARIANTS, "loop"])
+    parser.add_argument("--variant", required=True,
+                        choices=[*custom_models.VARIANTS, "loop", "loop_balanced"])
     parser.add_argument("--n", type=int, default=160, help="training samples")
     parser.add_argument("--sizes", required=True, help="initial split, comma separated")
     parser.add_argument("--switch-step", type=int, default=2)
@@ -94,9 +98,12 @@ def main():
 
     strategy = hb.HeteroMultiWorkerMirroredStrategy()
     strategy.set_batch_sizes(sizes)
-    evaluation = {}
-    if args.variant == "loop":
-        model, history = train_loop(strategy, args.n, args.switch_step, switch_sizes)
+    evaluation, balancer = {}, None
+    if args.variant.startswith("loop"):
+        if args.variant == "loop_balanced":
+            balancer = hb.Balancer(strategy, initial="uniform", warmup_steps=2, interval=3)
+        model, history = train_loop(strategy, args.n, args.switch_step, switch_sizes,
+                                    balancer)
     else:
         with strategy.scope():
             model = custom_models.build(args.variant)
@@ -114,6 +121,7 @@ def main():
     np.savez(os.path.join(args.out, f"worker{index}.npz"), *model.get_weights())
     with open(os.path.join(args.out, f"worker{index}.json"), "w") as f:
         json.dump({"history": history, "evaluation": evaluation,
+                   "balancer": None if balancer is None else balancer.get_state(),
                    "samples": times.samples.tolist(),
                    "seconds": times.compute_seconds.tolist()}, f)
 
