@@ -62,7 +62,6 @@ BATCH = "batch"  # divided by the sample count and by K: weight by samples
 SAMPLE_WEIGHT = "sample_weight"  # divided by the sample-weight sum and by K: by weight sums
 SUM = "sum"  # not divided: already the replica's share of the global sum
 UNREDUCED = "unreduced"  # per-sample values: the caller reduces them
-NONE = SUM  # a step whose loss needs no weight
 
 _MODE_OF_REDUCTION = {
     "sum_over_batch_size": BATCH,
