@@ -405,6 +405,8 @@ class BalanceWriter:
             return
         import tensorflow as tf
 
+        import tf_hetbatch.distribute  # noqa: F401  (checks the TensorFlow/Keras versions first)
+
         if tf.inside_function():
             raise RuntimeError(
                 "BalanceWriter must write eagerly, e.g. from a Keras callback; it was called "

@@ -71,6 +71,8 @@ def serve(tf_config: Optional[str] = None, stop: Optional[threading.Event] = Non
                                    else os.environ.get("TF_CONFIG"))
     import tensorflow as tf
 
+    import tf_hetbatch.distribute  # noqa: F401  (checks the TensorFlow/Keras versions first)
+
     config = tf.compat.v1.ConfigProto()
     threads = int(os.environ.get("TF_NUM_INTEROP_THREADS", "0") or 0)
     if kind == "worker" and threads == 1:

@@ -26,6 +26,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+import tf_hetbatch.distribute  # noqa: F401  (checks the TensorFlow/Keras versions first)
 from tf_hetbatch.training import legacy_checkpoint as _legacy
 from tf_hetbatch.training import run_checkpoint as _run
 from tf_hetbatch.training.run_checkpoint import RunPosition

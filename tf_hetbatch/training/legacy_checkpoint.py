@@ -31,6 +31,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+import tf_hetbatch.distribute  # noqa: F401  (checks the TensorFlow/Keras versions first)
+
 POINTER = "checkpoint.json"
 META = "meta.json"
 VARIABLES = "variables.npz"

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+import tf_hetbatch.distribute  # noqa: F401  (checks the TensorFlow/Keras versions first)
 from tf_hetbatch.core import split as _split
 
 logger = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ The rules (`tests/test_layers.py` checks the first two):
 - Nothing here patches a class or a module: where an object must be adapted, it is one
   instance, adapted only under a tf_hetbatch strategy.
 
-Supported: TensorFlow >= 2.16 with Keras 3 (tested on TensorFlow 2.21.0 / Keras 3.15.1);
-`versions`, imported first, refuses older ones.
+Supported: TensorFlow 2.16-2.21 with Keras 3.12-3.15 (`versions.TESTED_PAIRS`); `versions`,
+imported first, refuses TensorFlow < 2.16 and Keras < 3.10 and warns of an untested pair.
 """
 
 from tf_hetbatch.distribute._upstream import versions  # noqa: F401  (the version check first)
