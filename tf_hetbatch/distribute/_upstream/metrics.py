@@ -1,7 +1,8 @@
 """The global-mean logs from the metric variables' sums, in one collective (Keras).
 
-Private: `KerasVariable._value`. No canary of its own: where a variable is not a SUM-on-read
-distributed variable the logs are read as Keras does; `tests/test_equivalence.py` compares the
+Private: `KerasVariable._value`, and that Keras's metric variables are SUM-on-read under a
+strategy (each replica's own running sums). Where a variable is not, the logs are read as
+Keras does. Canaries: `tests/test_upstream_metrics.py`; `tests/test_equivalence.py` compares the
 per-batch logs with a single device's.
 """
 
@@ -14,13 +15,17 @@ import tensorflow as tf
 # metric's). Summing all of them in one all-reduce (in the train step: with the gradients) and
 # computing the results from the sums with the public `Metric.stateless_result` gives the same
 # values for no extra collective. The tf.Variable under a Keras variable is
-# `KerasVariable._value`.
+# `KerasVariable._value`. Only SUM-on-READ variables hold each replica's own sums: Keras < 3.10
+# made them mirrored SUM-on-write variables (keras-team/keras#21061), whose every `assign_add`
+# wrote K * old + the sum of the updates, and which are not per replica; any other variable
+# is left to Keras's own read (and `versions` refuses those Keras releases).
 def summable_metric_variables(metrics):
     """The distributed tf.Variables of `metrics`' variables, or None (read them as Keras does) if
     one is not a SUM-on-read distributed variable."""
     values = [getattr(v, "_value", None) for metric in metrics for v in metric.variables]
     if not values or not all(
             isinstance(d, tf.distribute.DistributedValues)
+            and getattr(d, "synchronization", None) == tf.VariableSynchronization.ON_READ
             and getattr(d, "aggregation", None) == tf.VariableAggregation.SUM for d in values):
         return None
     return values
