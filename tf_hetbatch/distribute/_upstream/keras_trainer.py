@@ -1,14 +1,22 @@
 """Keras 3's TensorFlow trainer: its multi-step loop, its own train step, its extra step.
 
-`inline_multi_step` (keras-team/keras#19246) with Keras's `_make_function` inlined, the logs a
-multi-step loop defers to its end, the `steps_per_execution` check, whether a step is Keras's
-own `train_step`, and the optimizer step count after a resumed epoch's exhausted step.
+`inline_multi_step` (keras-team/keras#19246) with Keras's `_make_function` inlined (refused
+unless the model's is the copied one: `KNOWN_MAKE_FUNCTION_DIGESTS`), the logs a multi-step
+loop defers to its end, the `steps_per_execution` check, whether a step is Keras's own
+`train_step`, and the optimizer step count after a resumed epoch's exhausted step.
 Canaries: `tests/test_upstream_keras_trainer.py`.
 """
 
 import contextlib
+import functools
+import hashlib
+import inspect
+import io
 import logging
+import textwrap
 import threading
+import tokenize
+from typing import Optional
 
 import tensorflow as tf
 
@@ -41,18 +49,34 @@ def is_keras_own_train_step(fn):
 # Not fixed upstream as of Keras 3.15.1.
 STEPS_PER_EXECUTION_BROKEN = True
 
+# The copy is only right while the model's `_make_function` is the one it was made from:
+# before any multi-step loop is inlined, the token digest of `type(model)._make_function`
+# (`source_digest`: comments, blank lines and line breaks inside brackets ignored) must be one
+# of these, else steps_per_execution > 1 is refused. Keras 3.12.0-3.15.1 share one digest;
+# Keras 3.8-3.11 have another (their loop has no `_autoconvert_optionals`, which the copy
+# calls). When Keras changes the method: re-copy it into `_make_function_inlined` and add the
+# new digest here. Canary: `test_inlined_multi_step_loop_is_a_copy_of_the_installed_one`.
+KNOWN_MAKE_FUNCTION_DIGESTS = frozenset({
+    "fe28d58e77c1ecd9",  # Keras 3.12.0 .. 3.15.1
+})
+
 
 def inline_multi_step(model):
     """Makes `model`'s multi-step train/test functions inline their one-step function.
 
     A no-op for steps_per_execution == 1, with `jit_compile` (XLA compiles the inner function
     itself), or where the Keras trainer method is not there; idempotent.
+
+    Raises:
+        ValueError: steps_per_execution > 1 and the model's `_make_function` is not the one
+            the inlined copy was made from (`KNOWN_MAKE_FUNCTION_DIGESTS`).
     """
     spe = int(getattr(model, "steps_per_execution", 1) or 1)
     if (not STEPS_PER_EXECUTION_BROKEN or spe <= 1 or getattr(model, "jit_compile", False)
             or not hasattr(model, "_make_function")
             or getattr(model, "_tf_hetbatch_inlined_steps", False)):
         return
+    _check_make_function_is_the_copied_one(model, spe)
     import types
 
     model._make_function = types.MethodType(_make_function_inlined, model)
@@ -60,8 +84,43 @@ def inline_multi_step(model):
     model.train_function = model.test_function = None  # rebuilt with the inlined step
 
 
+@functools.lru_cache(maxsize=None)
+def source_digest(fn) -> Optional[str]:
+    """A digest of `fn`'s source as tokens (comments, blank lines and line breaks inside
+    brackets left out), or None when its source cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return None
+    marks = {tokenize.INDENT: "<indent>", tokenize.DEDENT: "<dedent>", tokenize.NEWLINE: ";"}
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.ENDMARKER}
+    words = [marks.get(t.type, t.string)
+             for t in tokenize.generate_tokens(io.StringIO(source).readline)
+             if t.type not in skip]
+    return hashlib.sha256(" ".join(words).encode()).hexdigest()[:16]
+
+
+def _check_make_function_is_the_copied_one(model, spe):
+    """Refuses a multi-step loop whose `_make_function` is not the one inlined here."""
+    import keras
+
+    digest = source_digest(getattr(type(model), "_make_function", None))
+    if digest in KNOWN_MAKE_FUNCTION_DIGESTS:
+        return
+    raise ValueError(
+        "`steps_per_execution` > 1 under a tf_hetbatch strategy runs tf_hetbatch's copy of "
+        "Keras 3.12-3.15's multi-step loop (`TensorFlowTrainer._make_function` with the "
+        "one-step function inlined, for keras-team/keras#19246), but the `_make_function` of "
+        f"this model ({type(model).__name__}, keras=={keras.__version__}) is another one "
+        f"(source digest {digest}). Received: steps_per_execution={spe}. Fix: pip install "
+        "'keras>=3.12,<3.16' (and leave `_make_function` to Keras), or compile with "
+        "steps_per_execution=1."
+    )
+
+
 def _make_function_inlined(self, step_function):
-    """Keras 3.15 `TensorFlowTrainer._make_function`, the one-step function not a tf.function."""
+    """Keras 3.12-3.15 `TensorFlowTrainer._make_function` (`KNOWN_MAKE_FUNCTION_DIGESTS`), the
+    one-step function not a tf.function."""
     from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
     @tf.autograph.experimental.do_not_convert
@@ -170,10 +229,16 @@ def defer_global_logs() -> bool:
 
 def check_steps_per_execution(model):
     """Refuses steps_per_execution > 1 where `inline_multi_step` could not be installed (data
-    a user distributed, a jit-compiled model), instead of failing deep inside TensorFlow."""
+    a user distributed, a jit-compiled model, another Keras multi-step loop), instead of
+    failing deep inside TensorFlow.
+
+    Raises:
+        ValueError: steps_per_execution > 1 without the inlined multi-step loop.
+    """
     spe = int(getattr(model, "steps_per_execution", 1) or 1)
     if STEPS_PER_EXECUTION_BROKEN and spe > 1 and not getattr(
             model, "_tf_hetbatch_inlined_steps", False):
+        _check_make_function_is_the_copied_one(model, spe)
         raise ValueError(
             "`steps_per_execution` > 1 works under a tf_hetbatch strategy when Keras's fit, "
             "evaluate or predict distributes the data (keras-team/keras#19246 breaks it in "
