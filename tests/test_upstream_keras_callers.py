@@ -117,3 +117,31 @@ def test_keras_own_steps_call_compute_loss(cpus):
         model.evaluate(x, y, batch_size=32, verbose=0)
     assert seen == [("Recording", True), ("Recording", True), ("Custom", False),
                     ("Custom", True), ("Super", True), ("Super", True)]
+
+
+def test_keras_symbolic_build_reduces_the_data_batch_from_its_named_method(cpus):
+    """`keras_callers.is_data_batch_reduce` (the multi-worker `reduce` answers Keras's
+    build-time reduce of a data batch locally) finds Keras's `_maybe_symbolic_build` on the
+    stack; if Keras renames or moves it, the multi-worker strategy would reduce a data batch
+    across workers. A user's own reduce is not taken for it."""
+    seen = []
+
+    class Recording(tf.distribute.MirroredStrategy):
+        def __init__(self, devices):
+            collectives.assign_collective_key_base(self)
+            super().__init__(devices)
+
+        def reduce(self, reduce_op, value, axis):
+            if axis is None:
+                seen.append(keras_callers.is_data_batch_reduce(self, reduce_op, value))
+            return super().reduce(reduce_op, value, axis)
+
+    strategy = Recording(cpus[:2])
+    model = build_under(strategy, dense_model)
+    x, y = regression_data(n=64)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert True in seen, seen
+    seen.clear()
+    values = strategy.experimental_distribute_values_from_function(lambda ctx: tf.ones([2]))
+    strategy.reduce("MEAN", values, axis=None)
+    assert seen == [False]
