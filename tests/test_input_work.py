@@ -21,13 +21,15 @@ N = 40  # 3 full global batches and a partial one of 4
 
 
 def worker_slices(make_dataset, worker, sizes, moved, evaluation=False):
-    """The slices worker `worker` (one replica each, K workers) gets, as numpy tuples."""
+    """The slices worker `worker` gets, as numpy tuples: an int for K workers of one replica
+    each, or the worker's (first replica, count) of an uneven layout."""
+    replicas = (worker, 1) if isinstance(worker, int) else worker
     allocation = input_split.Allocation(K, keyed_by_step=True)
     allocation.install(sizes, 0)
     dataset = make_dataset()
     plan = input_work.plan(dataset, owns_every_replica=not moved, evaluation=evaluation)
     out = input_split.split_global_batches(
-        dataset, allocation, K, (worker, 1), evaluation=evaluation, plan=plan
+        dataset, allocation, K, replicas, evaluation=evaluation, plan=plan
     )
     return [tuple(np.asarray(c) for c in tf.nest.flatten(e)) for e in out.as_numpy_iterator()], plan
 
@@ -88,6 +90,27 @@ def test_each_worker_maps_its_own_samples_into_the_same_slices(sizes, num_parall
         # One map call per own sample: the slices' samples, partial last batch included.
         assert ours_count == sum(len(s[1]) for s in ours)
         mapped += ours_count
+    assert mapped == N
+
+
+@pytest.mark.parametrize("layout", [(1, 2), (2, 1)], ids=["1+2", "2+1"])
+def test_workers_of_an_uneven_layout_map_their_own_replicas_samples(layout):
+    # K replicas on workers hosting different numbers of them: each worker keeps (and maps)
+    # the slices of all its replicas, in replica order, and every sample is mapped once.
+    counter = Counter()
+    make = per_sample_pipeline(counter)
+    sizes = [2, 3, 7]
+    first = mapped = 0
+    for count in layout:
+        ours, plan = worker_slices(make, (first, count), sizes, moved=True)
+        ours_count = counter.take()
+        theirs, _ = worker_slices(make, (first, count), sizes, moved=False)
+        assert counter.take() == N
+        assert_same_slices(ours, theirs)
+        assert [len(s[1]) for s in ours[:count]] == sizes[first:first + count]
+        assert ours_count == sum(len(s[1]) for s in ours)
+        mapped += ours_count
+        first += count
     assert mapped == N
 
 

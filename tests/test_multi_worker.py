@@ -192,11 +192,11 @@ def test_three_workers_gather_only_their_own_array_rows(tmp_path):
         assert ours["history"]["val_loss"] == pytest.approx(theirs["history"]["val_loss"])
 
 
-def run_failing_cluster(out, num_workers, *args, timeout=240):
+def run_failing_cluster(out, num_workers, *args, timeout=240, grace=30):
     log = io.StringIO()
     result = launch(
         [WORKER, "--out", str(out), *args], num_workers, threads=1, timeout=timeout,
-        stdout=log, stderr=log, handle_signals=False,
+        stdout=log, stderr=log, handle_signals=False, grace=grace,
     )
     assert not result.ok, "the job should have stopped with an error"
     return log.getvalue()
@@ -257,3 +257,87 @@ def test_steps_per_execution_with_a_switch_and_input_after_the_split(tmp_path):
     count = len(reference_weights(n=n))
     for a, b in zip(weights_of(outputs[0][0], count), weights_of(outputs[1][0], count)):
         np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------------------ uneven device layouts ---
+def reference_run(n=320, batch=32, epochs=2, model="dense"):
+    """(weights, History) of one device trained on the same global batches."""
+    import tensorflow as tf
+
+    x, y = mw_train.data(n)
+    ref = mw_train.build(model=model)
+    history = ref.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch), epochs=epochs,
+                      verbose=0)
+    return ref.get_weights(), history.history
+
+
+@pytest.mark.parametrize("layout, sizes, switch, extra", [
+    ("1,2", "5,11,16", "14,12,6", []),
+    ("1,2", "5,11,16", "14,12,6", ["--all-reduce", "host"]),
+    ("1,2,1", "5,11,9,7", "8,2,12,10", ["--pipeline", "per-sample-map"]),
+], ids=["1+2", "1+2 host all-reduce", "1+2+1"])
+def test_layout_workers_hosting_different_numbers_of_replicas_train_exactly(
+        tmp_path, layout, sizes, switch, extra):
+    # Worker i hosts layout[i] logical CPUs as replicas; an uneven split switched mid-epoch,
+    # SyncBatchNormalization and Adam: the model equals one device's on the same batches.
+    counts = [int(c) for c in layout.split(",")]
+    outputs = run_cluster(tmp_path, len(counts), "--layout", layout, "--sizes", sizes,
+                          "--switch-step", "4", "--switch-sizes", switch, "--model", "bn-adam",
+                          *extra)
+    weights, history = reference_run(model="bn-adam")
+    assert_every_worker_equals(weights, outputs)
+    for a, b in zip(weights_of(outputs[0][0], len(weights)),
+                    weights_of(outputs[-1][0], len(weights))):
+        np.testing.assert_array_equal(a, b)
+    assert_every_sample_once_per_epoch(outputs, 320, 2)
+    from tf_hetbatch.distribute.multi_worker import DEFAULT_SWITCH_MARGIN
+
+    switch_at = 4 + DEFAULT_SWITCH_MARGIN
+    first = 0
+    for (_, info), count in zip(outputs, counts):
+        assert info["num_replicas"] == sum(counts)
+        assert info["replica_range"] == [first, count]  # replicas in worker order
+        first += count
+        assert info["all_reduce"] == ("host" if "host" in extra else "device")
+        # Per replica, in replica order: the samples of every step (the switch at the same
+        # step everywhere) and a value of each worker's own, gathered with them.
+        samples = info["samples"]
+        assert all(s == [float(v) for v in sizes.split(",")] for s in samples[:switch_at])
+        assert all(s == [float(v) for v in switch.split(",")] for s in samples[switch_at:])
+        assert info["extra"][0] == [w + 0.5 for w, c in enumerate(counts) for _ in range(c)]
+        # The logs are the true global means: one device's.
+        assert info["history"]["loss"] == pytest.approx(history["loss"], rel=1e-5)
+        if "per-sample-map" in extra:  # each worker mapped its own replicas' samples only
+            mapped, trained = np.diff(np.array([[0, 0]] + info["per_epoch"]), axis=0)[1]
+            assert mapped == trained
+
+
+def test_layout_dynamic_batching_moves_samples_from_a_slow_replica(tmp_path):
+    # Replica 0 (worker 0) computes more per sample, in TensorFlow (`ReplicaWork`): the
+    # controller moves samples to both replicas of worker 1, per replica; still exact.
+    outputs = run_cluster(tmp_path, 2, "--layout", "1,2", "--slow-replica", "0",
+                          "--dynamic", "model", "--n", "1920", "--epochs", "1")
+    sizes = outputs[0][1]["batch_sizes"]
+    assert all(info["batch_sizes"] == sizes for _, info in outputs)
+    history = outputs[0][1]["dynamic"]
+    assert history[0]["new"] == [11, 11, 10], history
+    assert sizes[0] < 11 and sizes[1] > 11 and sizes[2] > 10, history
+    assert_every_worker_equals(reference_run(n=1920, epochs=1)[0], outputs)
+
+
+@pytest.mark.parametrize("case, args, message, workers", [
+    ("missing", ["--layout", "1,2", "--worker-devices", "1=/cpu:0,/cpu:5"],
+     "`devices` must name existing devices of each worker, each once. Received: worker 1: "
+     "'/cpu:5' does not exist here (this worker has CPU:0, CPU:1)", 2),
+    ("twice", ["--layout", "1,2", "--worker-devices", "1=/cpu:1,/cpu:1"],
+     "Received: worker 1: ['/cpu:1', '/cpu:1'] names a device twice", 2),
+    ("silent", ["--layout", "1,1", "--stock-worker", "1"],
+     "RuntimeError: Worker 1 did not publish its devices within 5 s", 1),
+], ids=["missing device", "device twice", "worker never publishes"])
+def test_layout_a_bad_one_is_refused_on_every_worker_before_any_step(tmp_path, case, args,
+                                                                    message, workers):
+    log = run_failing_cluster(tmp_path, 2, *args, timeout=120, grace=3)
+    assert "strategy created" not in log and "training starts" not in log
+    for i in range(workers):
+        assert any(line.startswith(f"[worker {i}]") and message in line
+                   for line in log.splitlines()), log[-3000:]

@@ -1,5 +1,6 @@
 """ResumableCheckpoint: TensorFlow checkpoints from the chief, exact mid-epoch resume, preemption
-notices that redo no step, fewer workers, plain-Keras restore, the earlier format.
+notices that redo no step, another layout (fewer replicas), plain-Keras restore, the earlier
+format.
 
 Multi-process tests run real workers through the launcher (tests/workers/resume_train.py) and
 compare with one device trained on the same global batches in this process.
@@ -149,16 +150,18 @@ def test_notice_saves_at_one_step_and_a_kill_loses_only_steps_since_the_last_sav
 
 
 @pytest.mark.cluster
-def test_resume_with_fewer_workers_resplits_the_global_batch(tmp_path):
+def test_resume_on_another_layout_resplits_the_global_batch(tmp_path):
     out3, out2, ckpt = tmp_path / "out3", tmp_path / "out2", tmp_path / "ckpt"
-    # Three workers stop cleanly after step 14: mid-epoch 1, a checkpoint at the stop.
-    result, log = run_cluster(out3, ckpt, 3, "--every", "4", "--stop-step", "14")
+    # Two workers hosting 1 and 2 replicas stop cleanly after step 14: mid-epoch 1, a
+    # checkpoint at the stop.
+    result, log = run_cluster(out3, ckpt, 2, "--every", "4", "--stop-step", "14",
+                              "--layout", "1,2")
     assert result.ok, result.message + "\n" + log[-4000:]
     saved = ResumableCheckpoint(ckpt).latest()
     assert (saved["step"], saved["epoch"], saved["batch"]) == (14, 1, 4)
     assert saved["num_parts"] == 3 and saved["batch_sizes"] == [11, 11, 10]
-    # Relaunched on two workers (the third VM did not come back).
-    result, log = run_cluster(out2, ckpt, 2, "--every", "4")
+    # Relaunched with one replica each (worker 1 lost a device): 3 replicas -> 2.
+    result, log = run_cluster(out2, ckpt, 2, "--every", "4", "--layout", "1,1")
     assert result.ok, result.message + "\n" + log[-4000:]
     outputs = outputs_of(out2, 2)
     ref = reference_weights()

@@ -6,6 +6,7 @@ When one fails after an upgrade, read the matching section of
 """
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tf_hetbatch.distribute._upstream import tf_data
@@ -105,3 +106,30 @@ def test_keras_array_input_is_index_batches_zipped_with_the_arrays_then_gathered
     indices, arrays = found
     assert indices.element_spec.shape.rank == 1 and indices.element_spec.dtype == tf.int64
     assert type(arrays).__name__ == "_RepeatDataset"
+
+
+def test_map_and_batch_fusion_still_fails_on_two_stateful_chains_in_one_function(cpus):
+    """`tf_data.without_map_and_batch_fusion`: a flat_map whose function builds two
+    `map(f).batch(n)` chains, f capturing a variable (a worker hosting two replicas, per-sample
+    maps after the split), fails when a multi-device iterator is created, unless the fusion is
+    off. When the first half stops raising, the workaround can go."""
+    from tensorflow.python.data.ops import multi_device_iterator_ops
+
+    counted = tf.Variable(0, dtype=tf.int64)
+
+    def per_sample(x):
+        counted.assign_add(1)
+        return x * 2.0
+
+    def two_slices(batch):
+        chains = [tf.data.Dataset.from_tensor_slices(part).map(per_sample).batch(4)
+                  for part in tf.split(batch, 2)]
+        return chains[0].concatenate(chains[1])
+
+    data = tf.data.Dataset.from_tensor_slices(np.ones((16, 3), "float32")).batch(8)
+    data = data.flat_map(two_slices)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="retained fanouts"):
+        multi_device_iterator_ops.MultiDeviceIterator(data, cpus[:2])
+    iterator = multi_device_iterator_ops.MultiDeviceIterator(
+        tf_data.without_map_and_batch_fusion(data), cpus[:2])
+    assert [t.shape.as_list() for t in iterator.get_next()] == [[4, 3], [4, 3]]

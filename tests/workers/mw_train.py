@@ -3,6 +3,9 @@
 Trains a small dense model with HeteroMultiWorkerMirroredStrategy on deterministic data that
 carries a sample id, records the ids each worker's replicas trained on, optionally changes the
 split mid-run from a callback, and saves weights and ids to <out>/worker<i>.npz.
+
+`--layout 1,2` gives worker i that many logical CPUs as its replicas (configured before
+TensorFlow starts): the shape of a cluster whose workers have different numbers of devices.
 """
 
 import argparse
@@ -45,25 +48,76 @@ class IdRecorder(keras.layers.Layer):
         return inputs * tf.constant([0.0] + [1.0] * 7)
 
 
+def layout_devices(layout, worker_devices=""):
+    """This worker's replica devices from `--layout` (replicas per worker, in worker order) and
+    `--worker-devices` ("1=/cpu:1,/cpu:1;..." overrides a worker's list); its logical CPUs
+    are configured here, before TensorFlow starts. None without a layout."""
+    if not layout:
+        return None
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    count = [int(c) for c in layout.split(",")][index]
+    cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(
+        cpus[0], [tf.config.LogicalDeviceConfiguration()] * count)
+    overrides = dict(item.split("=", 1) for item in worker_devices.split(";") if item)
+    if str(index) in overrides:
+        return overrides[str(index)].split(",")
+    return [f"/cpu:{i}" for i in range(count)]
+
+
+class ReplicaWork(keras.layers.Layer):
+    """Identity in value. In training, replica `slow` runs `slow_iterations` matmul rounds on
+    its batch, the others `fast_iterations`: a slower device, in pure TensorFlow compute (a
+    `tf.py_function` sleep does not model one)."""
+
+    def __init__(self, slow, slow_iterations=1000, fast_iterations=3, **kwargs):
+        super().__init__(**kwargs)
+        self.slow, self.iterations = slow, (fast_iterations, slow_iterations)
+
+    def call(self, x, training=None):
+        if not training:
+            return x
+        ctx = tf.distribute.get_replica_context()
+        replica = ctx.replica_id_in_sync_group if ctx is not None else 0
+        rounds = tf.where(tf.equal(replica, self.slow), self.iterations[1], self.iterations[0])
+        w = tf.fill([512, 512], 0.002)
+        _, h = tf.while_loop(lambda i, h: i < rounds,
+                             lambda i, h: (i + 1, tf.tanh(tf.matmul(h, w))),
+                             [tf.constant(0), tf.tile(x, [1, 64])])
+        return x + 0.0 * tf.stop_gradient(tf.reduce_sum(h))
+
+
 def sample_weights(n):
     return np.random.default_rng(1).uniform(0.2, 3.0, size=(n,)).astype("float32")
 
 
-def build(sink=None, weighted=False, steps_per_execution=1):
+def build(sink=None, weighted=False, steps_per_execution=1, model="dense", slow_replica=-1):
+    """The model: "dense" (SGD, L2) or "bn-adam" (SyncBatchNormalization, Adam); with
+    `slow_replica` >= 0 that replica computes more (`ReplicaWork`)."""
     keras.utils.set_random_seed(1)
     layers = [keras.Input((8,))]
+    if slow_replica >= 0:
+        layers.append(ReplicaWork(slow_replica))
     layers.append(IdRecorder(sink) if sink is not None else keras.layers.Lambda(
         lambda t: t * tf.constant([0.0] + [1.0] * 7)))
-    layers += [
-        keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2)),
-        keras.layers.Dense(1),
-    ]
+    if model == "bn-adam":
+        # No bias before BatchNormalization: its true gradient is 0, so Adam would amplify
+        # rounding noise.
+        layers += [keras.layers.Dense(16, use_bias=False),
+                   keras.layers.BatchNormalization(synchronized=True),
+                   keras.layers.Activation("tanh"), keras.layers.Dense(1)]
+        optimizer = keras.optimizers.Adam(0.01)
+    else:
+        layers += [keras.layers.Dense(16, activation="tanh",
+                                      kernel_regularizer=keras.regularizers.L2(1e-2)),
+                   keras.layers.Dense(1)]
+        optimizer = keras.optimizers.SGD(0.05)
     model = keras.Sequential(layers)
     # weighted: the loss is the sample-weighted mean, so replicas are weighted by their summed
     # sample weight, not their samples.
     loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight") if weighted \
         else "mse"
-    model.compile(keras.optimizers.SGD(0.05), loss, metrics=["mae"],
+    model.compile(optimizer, loss, metrics=["mae"],
                   steps_per_execution=steps_per_execution)
     return model
 
@@ -89,7 +143,8 @@ class SwitchAt(keras.callbacks.Callback):
         # A collective on every worker; each worker's index (+ 0.5) rides along, as a
         # worker's step time does for DynamicBatching.
         index = self.strategy.cluster_resolver.task_id
-        times, extra = self.strategy.read_replica_times_and_gather([index + 0.5], reset=True)
+        times, extra = self.strategy.read_replica_times_and_gather(
+            [index + 0.5] * self.strategy.num_local_replicas, reset=True)
         self.samples.append(times.samples.tolist())
         self.extra.append(extra.tolist())
         if self.step == self.at_step:
@@ -173,19 +228,46 @@ def main():
                         help="TensorFlow's INFO log (it names each all-reduce it builds)")
     parser.add_argument("--unseeded", action="store_true",
                         help="no global seed; the data is shuffled with no seed")
+    parser.add_argument("--layout", default="", help="replicas (logical CPUs) per worker")
+    parser.add_argument("--worker-devices", default="",
+                        help="W=dev,dev;... : worker W's device list instead (bad layouts)")
+    parser.add_argument("--all-reduce", default=None, choices=["device", "host"])
+    parser.add_argument("--model", default="dense", choices=["dense", "bn-adam"])
+    parser.add_argument("--slow-replica", type=int, default=-1,
+                        help="this replica computes more (ReplicaWork)")
+    parser.add_argument("--dynamic", default="", choices=["", "model", "proportional"],
+                        help="DynamicBatching(initial='uniform') with this controller")
+    parser.add_argument("--stock-worker", type=int, default=-1,
+                        help="this worker creates a stock MultiWorkerMirroredStrategy (it never "
+                        "publishes its devices); the others wait 5 s for it")
     args = parser.parse_args()
     logging.getLogger("tf_hetbatch").setLevel(logging.INFO)
     if args.log_collectives:
         tf.get_logger().setLevel("INFO")
 
-    strategy = hb.HeteroMultiWorkerMirroredStrategy()
+    devices = layout_devices(args.layout, args.worker_devices)
+    options = None
+    if args.stock_worker >= 0:
+        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=5)
+        if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == args.stock_worker:
+            tf.distribute.MultiWorkerMirroredStrategy()
+            time.sleep(60)
+    strategy = hb.HeteroMultiWorkerMirroredStrategy(devices, communication_options=options,
+                                                    all_reduce=args.all_reduce)
+    print(f"mw_train: strategy created, {strategy.layout.describe()}", flush=True)
     if args.sizes:
         strategy.set_batch_sizes([int(s) for s in args.sizes.split(",")])
     sink = Sink()
     with strategy.scope():
         model = build(sink, weighted=args.sample_weight,
-                      steps_per_execution=args.steps_per_execution)
+                      steps_per_execution=args.steps_per_execution, model=args.model,
+                      slow_replica=args.slow_replica)
     callbacks = []
+    dynamic = None
+    if args.dynamic:
+        dynamic = hb.DynamicBatching(initial="uniform", controller=args.dynamic, warmup_steps=8,
+                                     interval=6)
+        callbacks.append(dynamic)
     if args.switch_step:
         switch = SwitchAt(strategy, args.switch_step, [int(s) for s in args.switch_sizes.split(",")])
         callbacks.append(switch)
@@ -273,6 +355,11 @@ def main():
                 "extra": switch.extra if args.switch_step else [],
                 "batch_sizes": list(strategy.batch_sizes),
                 "chief": strategy.is_chief,
+                "num_replicas": strategy.num_replicas_in_sync,
+                "replica_range": [strategy.layout.offset, strategy.num_local_replicas],
+                "all_reduce": strategy.layout.all_reduce,
+                "dynamic": dynamic.history if dynamic is not None else None,
+                "windows": dynamic.windows if dynamic is not None else None,
                 "per_epoch": per_epoch.counts,
                 "collectives": collectives_of(model.train_function),
             },

@@ -83,6 +83,7 @@ def main():
     parser.add_argument("--term-attempt", type=int, default=0)
     parser.add_argument("--term-step", type=int, default=-1)
     parser.add_argument("--dynamic", action="store_true", help="with DynamicBatching")
+    parser.add_argument("--layout", default="", help="replicas (logical CPUs) per worker")
     parser.add_argument("--log-info", action="store_true",
                         help="show tf_hetbatch's INFO lines (resume, preemption notices)")
     args = parser.parse_args()
@@ -90,7 +91,7 @@ def main():
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     attempt = int(os.environ.get("TF_HETBATCH_RESTART", "0"))
-    strategy = hb.HeteroMultiWorkerMirroredStrategy()
+    strategy = hb.HeteroMultiWorkerMirroredStrategy(mw_train.layout_devices(args.layout))
     index = strategy.cluster_resolver.task_id
     sink = mw_train.Sink()
     with strategy.scope():

@@ -412,6 +412,8 @@ def split_global_batches(
     slices = tf_data.flat_map_host(per_batch, _itself)
     if plan is not None and plan.on_slice_stream is not None:
         slices = plan.on_slice_stream(slices)
+    if per_slice is not None and count > 1:  # several replicas' maps in one function
+        slices = tf_data.without_map_and_batch_fusion(slices)
     # One global batch ahead of training (the moved work too, as the user's prefetch did it
     # before; that prefetch now holds raw batches, before the split's bookkeeping). A fixed
     # buffer bounds how far the bookkeeping runs ahead of training, which a switch's start

@@ -1,16 +1,18 @@
 """HeteroMultiWorkerMirroredStrategy: uneven, exactly weighted batches across workers."""
 
 import logging
+from typing import Optional, Sequence
 
-import numpy as np
 import tensorflow as tf
 
 from tf_hetbatch.core import _validate
 from tf_hetbatch.distribute import clean_exit
-from tf_hetbatch.distribute import step_run
-from tf_hetbatch.distribute import updates
-from tf_hetbatch.distribute.strategy import PIPELINE_LEAD_STEPS, HeteroMixin
-from tf_hetbatch.distribute._upstream import collectives, keras_callers
+from tf_hetbatch.distribute.layout import (DeviceLayout, check_all_reduce_argument,
+                                          check_devices_argument)
+from tf_hetbatch.distribute import topology
+from tf_hetbatch.distribute.strategy import HeteroMixin
+from tf_hetbatch.distribute.topology import PIPELINE_LEAD_STEPS
+from tf_hetbatch.distribute._upstream import collectives, device_layout, keras_callers
 
 logger = logging.getLogger(__name__)
 
@@ -28,13 +30,28 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
     workers, gradients weighted by b_k / B so the model equals one device on the global batch
     and is identical on every worker.
 
+    Workers may host different numbers and kinds of replicas (a 4-GPU box beside a 2-GPU box
+    and a CPU-only box): each worker names its own `devices`, the workers exchange them once
+    at start-up (`tf_hetbatch.distribute.layout`), and the replicas in sync are all of them,
+    numbered in worker order (the chief first): `num_replicas_in_sync` is the total, and the
+    split, weights, timing, input slices, gathers, checkpoints and dashboards are per replica
+    in that order. A layout that cannot work (a device a worker does not have, one named
+    twice, workers created with different arguments, a worker that never publishes) is
+    refused with the same error on every worker before any step. The all-reduce is decided
+    once from the exchanged layout: one collective group of all replicas when they are all of
+    one kind, else (a TensorFlow collective group has one device type) through each worker's
+    host CPU: its replicas summed there, the workers' CPUs all-reduced (RING), the result
+    copied back to each replica.
+
     Input: every worker reads the same sequence of global batches (use a seeded shuffle, as
     with the stock DATA auto-shard policy; an unseeded `Dataset.shuffle` right under the
     per-sample maps gets a seed all workers agree on) and keeps its own replicas' slices, so
     every sample of an epoch is used exactly once, whatever the split. The per-sample work
     (maps before `batch`, Keras's array gather, maps after `split_here()`) runs after the
     split, on the worker's own samples only (`input_work`). Every gather of this
-    strategy also checks that all workers trained the same global batches.
+    strategy also checks that all workers trained the same global batches. A user's
+    `distribute_datasets_from_function` gets TensorFlow's `InputContext` (one pipeline per
+    worker); with uneven replica counts, shard by the worker's replicas, not evenly.
 
     It implements `tf_hetbatch.core.protocols.SynchronousSplitStrategy`. Collectives:
     `set_batch_sizes`, `read_replica_times`, `read_replica_times_and_gather`,
@@ -45,163 +62,64 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
 
     Keras 3 `fit` works without patching Keras: its two multi-worker crashes (a reduce of the
     data batch in its symbolic build, and axis=0 reduces of scalar logs) pass through this
-    strategy's `reduce`, which handles them (see `_compat`).
+    strategy's `reduce`, which handles them (see `keras_callers`). A value that is not
+    per-replica (a plain tensor) given to `strategy.reduce` or an all-reduce counts once per
+    replica: `strategy.reduce("SUM", tf.constant(1.0), axis=None)` is `num_replicas_in_sync`
+    (the stock strategy counts it once per worker on workers with several devices).
 
     Args:
+        devices: this worker's replica devices, as for `HeteroMirroredStrategy`, e.g.
+            `["/gpu:0", "/gpu:1"]`, `["/cpu:0", "/cpu:1"]` (logical CPUs) or
+            `["/gpu:0", "/cpu:0"]`; each worker passes its own. Default None: as stock, all
+            of the worker's GPUs, else its CPU.
         cluster_resolver: as for `tf.distribute.MultiWorkerMirroredStrategy`.
-        communication_options: as for `tf.distribute.MultiWorkerMirroredStrategy`.
+        communication_options: as for `tf.distribute.MultiWorkerMirroredStrategy`; the same
+            on every worker. NCCL needs every replica on a GPU; `timeout_seconds` also bounds
+            the wait for the other workers' devices at start-up (default 120 s).
         switch_margin: int, training steps from `set_batch_sizes` to the step the new split
             starts at on every worker. It must exceed how far the input pipeline runs ahead
             of training (at most 3 global batches: a larger margin is needed only if a
             switch fails saying so). Default 8 (`DEFAULT_SWITCH_MARGIN`). The same on every
             worker.
+        all_reduce: None (default: decided from the layout), "device" (one collective group
+            of all replicas; all must be of one kind) or "host" (through each worker's CPU;
+            works for any layout). The same on every worker.
 
     Raises:
-        ValueError: `switch_margin` is not an integer >= 4.
+        ValueError: `switch_margin` is not an integer >= 4, `all_reduce` is not one of the
+            three, or the layout cannot work (the same error on every worker).
+        TypeError: `devices` is not a list of device names.
+        RuntimeError: a worker did not publish its devices in time.
     """
 
-    def __init__(self, cluster_resolver=None, communication_options=None,
-                 switch_margin: int = DEFAULT_SWITCH_MARGIN):
+    def __init__(self, devices: Optional[Sequence[str]] = None, cluster_resolver=None,
+                 communication_options=None, switch_margin: int = DEFAULT_SWITCH_MARGIN,
+                 all_reduce: Optional[str] = None):
+        devices = check_devices_argument(devices)
+        all_reduce = check_all_reduce_argument(all_reduce)
         self._switch_margin = _validate.check_int(
             "switch_margin", switch_margin, PIPELINE_LEAD_STEPS + 1,
             f"the input pipeline runs up to {PIPELINE_LEAD_STEPS} global batches ahead of "
             f"training; pass e.g. switch_margin={DEFAULT_SWITCH_MARGIN} (the default).")
         # Every worker creates its strategies in the same order, so the bases agree.
         collectives.assign_collective_key_base(self)
-        super().__init__(
-            cluster_resolver=cluster_resolver, communication_options=communication_options
-        )
-        self._sum_tables = None
-        tasks = self.cluster_resolver.cluster_spec().as_dict() if self.cluster_resolver else {}
-        collectives.warn_if_second_multi_worker_strategy(
-            sum(len(tasks.get(role, [])) for role in ("chief", "worker")))
-        self._init_hetero()
+        device_layout.make_strategy(self, devices, cluster_resolver, communication_options,
+                                    all_reduce, {"switch_margin": self._switch_margin})
+        collectives.warn_if_second_multi_worker_strategy(self.layout.num_workers)
+        self._init_hetero(topology.Workers(self, self.layout, self._switch_margin))
         # At exit, the tasks wait for each other, so a successful run ends quietly.
         clean_exit.register_exit_together(self.cluster_resolver)
+
+    @property
+    def layout(self) -> DeviceLayout:
+        """The cluster's `DeviceLayout`: every worker's replica devices, in worker order, and
+        the all-reduce they agreed on ("device" or "host")."""
+        return device_layout.layout_of(self)
 
     @property
     def switch_margin(self) -> int:
         """Training steps from `set_batch_sizes` to the step the new split starts at."""
         return self._switch_margin
-
-    # ----------------------------------------------------------------- topology hooks ----------
-    def _worker_index(self):
-        resolver = self.cluster_resolver
-        return int(resolver.task_id or 0) if resolver is not None else 0
-
-    def _replica_range(self):
-        count = self.num_local_replicas
-        return (self._worker_index() * count, count)
-
-    def _is_chief(self):
-        return bool(self.extended.should_checkpoint)
-
-    def _step_totals(self, data, kind):
-        # Training: every worker's pipeline saw the whole global batch and kept its totals for
-        # the step it is trained in, so no collective runs before the step's compute (a worker
-        # waiting in one for a slower worker would count that wait as its own work, see
-        # timing.py). Sample weights made by per-sample maps that run after the split are
-        # known per worker only, and evaluation batches and data a user's dataset function
-        # batched are not recorded: there each replica's amounts are summed in a small
-        # all-reduce at the step's start.
-        if kind == "test_step" or self._user_batched_data or (
-                not self._weights_in_pipeline and step_run.has_sample_weight(
-                    self.experimental_local_results(data)[0])):
-            return lambda samples, weight: tuple(
-                updates.sum_across_replicas([samples, weight]))
-        inputs = [t for local in self.experimental_local_results(data)
-                  for t in tf.nest.flatten(local) if isinstance(t, tf.Tensor)]
-        with tf.control_dependencies(inputs):  # the pipeline wrote them when producing these
-            totals = self._allocation.step_totals()
-        return totals[0], totals[1]
-
-    def _gather_local_rows(self, local_values):
-        # An all-reduce SUM of a [K, n] table where each replica fills its own row: one small
-        # collective, traced once per n (the stock eager `gather` retraces on every call).
-        # Every gather also compares the workers' fingerprints of the global batches trained
-        # so far (`_check_same_global_batches`): a last column, the same on all local replicas.
-        rows = local_values.reshape(local_values.shape[0], -1)
-        fingerprint = float(int(self._allocation.fingerprint.numpy()) % 2**52)  # exact in f64
-        rows = np.concatenate([rows, np.full((rows.shape[0], 1), fingerprint)], axis=1)
-        first, count = self._replica_range()
-        width = rows.shape[1]
-        tables = []
-        for i in range(count):
-            table = np.zeros((self.num_replicas_in_sync, width), np.float64)
-            table[first + i] = rows[i]
-            tables.append(tf.constant(table))
-        per_replica = self.experimental_distribute_values_from_function(
-            lambda ctx: tables[ctx.replica_id_in_sync_group - first]
-        )
-        if self._sum_tables is None:
-            self._sum_tables = tf.function(
-                lambda v: self.reduce(tf.distribute.ReduceOp.SUM, v, axis=None)
-            )
-        gathered = self._sum_tables(per_replica).numpy()
-        self._check_same_global_batches(gathered[:, -1])
-        return gathered[:, :-1].reshape((self.num_replicas_in_sync,) + local_values.shape[1:])
-
-    def _check_same_global_batches(self, fingerprints):
-        if np.all(fingerprints == fingerprints[0]):
-            return
-        differ = [int(k) for k in np.flatnonzero(fingerprints != fingerprints[0])]
-        raise RuntimeError(
-            "The workers trained different global batches in the last "
-            f"{int(self._allocation.trained.numpy())} steps: their input pipelines do not "
-            f"produce the same sequence (replicas {differ} disagree with replica 0), so some "
-            "samples were trained twice and others never. Likely causes: a shuffle or "
-            "tf.random op with no seed (e.g. fit(x, y, shuffle=True) with no "
-            "keras.utils.set_random_seed), a map or interleave with deterministic=False, or "
-            "different files or file order per worker. Fix: seed every shuffle (the same seed "
-            "on every worker, e.g. keras.utils.set_random_seed(0) before building the data), "
-            "keep the maps before batch() deterministic, and give every worker the same files "
-            "in the same order."
-        )
-
-    def _keyed_by_step(self):
-        return True
-
-    def _switch_lag_steps(self):
-        return self._switch_margin
-
-    def _agree_on_seed(self):
-        # Worker 0's draw, sent to every worker in one small collective.
-        draw = float(np.random.default_rng().integers(2**31 - 1))
-        return int(self._gather_local_rows(np.full(self.num_local_replicas, draw))[0])
-
-    def _time_from_release(self):
-        return True  # each worker's own work between steps is its cost (see timing.py)
-
-    def _partial_batch_handling(self):
-        # Every worker reads every global batch, so all workers' data ends at the same step;
-        # TensorFlow's check would add a cross-worker all-reduce before each step's compute.
-        return False
-
-    def _switch_start(self):
-        produced = int(self._allocation.produced.numpy())
-        if self._gather_local_rows(np.full(self.num_local_replicas, produced)).max() == 0:
-            return 0  # no worker has produced a batch yet: the split applies from the first
-        return int(self._allocation.trained.numpy()) + self._switch_margin
-
-    def _install_for_new_data(self, sizes):
-        # Every worker distributes its new training data at the same step, and the same
-        # sizes (a split set for it, or re-made in proportion): keyed from that step on.
-        self._allocation.install(sizes, int(self._allocation.trained.numpy()))
-
-    def _apply_batch_sizes(self, sizes):
-        start = self._switch_start()
-        self._allocation.install(sizes, start)
-        last_key = int(self._allocation.last_key.numpy())
-        if last_key >= start:
-            raise RuntimeError(
-                f"This worker's input pipeline produced the global batch for step {last_key} "
-                f"before the split switching at step {start} was installed, so workers could "
-                "split a batch differently. Its pipeline runs further ahead of training than "
-                f"switch_margin={self._switch_margin} steps. Fix: pass a larger margin on every "
-                "worker, e.g. HeteroMultiWorkerMirroredStrategy(switch_margin="
-                f"{2 * self._switch_margin})."
-            )
-        logger.debug("batch sizes %s from step %d", list(sizes), start)
 
     # ----------------------------------------------------------------- Keras crashes -----------
     def reduce(self, reduce_op, value, axis):

@@ -18,33 +18,26 @@ from tf_hetbatch.distribute import input_work
 from tf_hetbatch.distribute import iterator_release
 from tf_hetbatch.distribute import step_run
 from tf_hetbatch.distribute import timing
+from tf_hetbatch.distribute import topology
 from tf_hetbatch.distribute import weighting
 from tf_hetbatch.distribute._upstream import (collectives, iterators, keras_callers,
                                               keras_trainer, tf_data)
 
 logger = logging.getLogger(__name__)
 
-# How far the split input pipeline runs ahead of training: its own one-global-batch prefetch
-# (`input_split.split_global_batches`), the distributed iterator's one-element buffer, the
-# batch in flight. One host: a split set now applies to the global batches produced after
-# it, so this is its switch lag; several workers: `switch_margin` must exceed it.
-PIPELINE_LEAD_STEPS = 3
-
 
 class HeteroMixin:
     """What both synchronous tf_hetbatch strategies add to their stock base class.
 
     They implement `tf_hetbatch.core.protocols.SynchronousSplitStrategy`. The host class calls
-    `_init_hetero()` after its stock constructor. Subclasses for several workers override the
-    topology hooks at the end.
+    `_init_hetero(topology)` after its stock constructor, with the `topology` object of where
+    its replicas live (`topology.OneHost`, `topology.Workers`).
     """
 
-    def _init_hetero(self):
-        num_replicas = self.num_replicas_in_sync
-        self._allocation = input_split.Allocation(
-            num_replicas, self._host_device(), keyed_by_step=self._keyed_by_step()
-        )
-        self._split = split_state.SplitState(num_replicas)
+    def _init_hetero(self, where):
+        self._topology = where
+        self._allocation = where.allocation
+        self._split = split_state.SplitState(self.num_replicas_in_sync)
         # Set once a model with plain BatchNormalization trains: no replica may get 0 samples.
         self._needs_nonempty_replicas = False
         # False once the training data's per-sample work runs after the split: its sample
@@ -54,7 +47,7 @@ class HeteroMixin:
         self._split_input_work = True
         self._user_batched_data = False  # data batched per replica by a user's function
         self._timing = timing.TimingAccumulators(
-            self, self.num_local_replicas, from_release=self._time_from_release()
+            self, self.num_local_replicas, from_release=where.time_from_release
         )
         self._steps = step_run.StepRunner(self)
 
@@ -96,9 +89,10 @@ class HeteroMixin:
 
         Callable at any time, also during `fit` (e.g. from a callback). No retrace, no restart:
         the input pipeline reads the sizes once per global batch, so the change reaches the
-        replicas with the global batches produced after the call, at most `PIPELINE_LEAD_STEPS` (3) steps later
-        (the distributed iterator prefetches). Gradient weights and timing always follow the
-        actual batch shapes of each step, so that lag never costs exactness.
+        replicas with the global batches produced after the call, at most
+        `topology.PIPELINE_LEAD_STEPS` (3) steps later (the distributed iterator prefetches).
+        Gradient weights and timing always follow the actual batch shapes of each step, so that
+        lag never costs exactness.
 
         Sizes that do not sum to the global batch of the training data in use are kept for
         the next training data (e.g. the next `fit`), which must then be batched by their sum;
@@ -117,16 +111,7 @@ class HeteroMixin:
         if self._needs_nonempty_replicas:
             step_run.check_nonempty_sizes(sizes)
         if self._split.set(sizes):
-            self._apply_batch_sizes(sizes)
-
-    def _apply_batch_sizes(self, sizes):
-        """Installs `sizes` for the global batches produced from now on (one host)."""
-        self._allocation.install(sizes, self._switch_start())
-        logger.debug("batch sizes set to %s", sizes)
-
-    def _install_for_new_data(self, sizes):
-        """Installs `sizes` for training data distributed now, before it produced a batch."""
-        self._allocation.install(sizes)
+            self._topology.install(sizes)
 
     @property
     def split_input_work(self) -> bool:
@@ -220,9 +205,9 @@ class HeteroMixin:
             self._timing.subtract_local(local)
         rows = local.rows()
         if local_values is None:
-            return ReplicaTimes.from_rows(self._gather_local_rows(rows)), None
+            return ReplicaTimes.from_rows(self._topology.gather(rows)), None
         extra = local_values.reshape(rows.shape[0], -1)
-        gathered = self._gather_local_rows(np.concatenate([rows, extra], axis=1))
+        gathered = self._topology.gather(np.concatenate([rows, extra], axis=1))
         values = gathered[:, 3:].reshape((gathered.shape[0],) + local_values.shape[1:])
         return ReplicaTimes.from_rows(gathered[:, :3]), values
 
@@ -278,16 +263,16 @@ class HeteroMixin:
             )
         self.restart_step_clock()
         num_replicas = self.num_replicas_in_sync
-        replica_range = self._replica_range()
+        replica_range = self._topology.replica_range
         several_workers = self.num_local_replicas < num_replicas
         owns_every_replica = not several_workers or not self._split_input_work
         seed = None
         if several_workers and not evaluation and input_work.has_unseeded_shuffle(dataset):
-            seed = self._agree_on_seed()  # a collective: every worker distributes the same data
+            seed = self._topology.agree_on_seed()  # every worker distributes the same data
         plans = []
 
         def dataset_fn(input_context):
-            del input_context  # every worker reads every global batch; see _replica_range
+            del input_context  # every worker reads every global batch; see topology.Workers
             plan = input_work.plan(dataset, owns_every_replica, seed, evaluation)
             plans.append(plan)
             return input_split.split_global_batches(
@@ -296,14 +281,16 @@ class HeteroMixin:
             )
 
         distributed = super().distribute_datasets_from_function(dataset_fn, options)
-        if not self._partial_batch_handling():
-            iterators.disable_partial_batch_handling(distributed)
-        if options is None and self._one_cpu_replica():
+        # Every global batch gives every replica a slice (maybe empty), and every worker reads
+        # every global batch, so all replicas' data ends at the same step: TensorFlow's
+        # per-step check for the opposite is not needed (across workers it is an all-reduce).
+        iterators.disable_partial_batch_handling(distributed)
+        if options is None and _one_cpu_replica(self.extended.worker_devices):
             iterators.plain_iterators(distributed)
         iterators.hold_iterators(distributed, iterator_release.hold)
         if plans and not evaluation:
             self._weights_in_pipeline = plans[0].weights_in_raw
-        if plans and plans[0].reason and self._is_chief() and dataset not in self._said_unsplit:
+        if plans and plans[0].reason and self.is_chief and dataset not in self._said_unsplit:
             self._said_unsplit.add(dataset)
             logger.warning(
                 "The input pipeline runs unsplit: every worker does all of its per-sample work "
@@ -322,7 +309,7 @@ class HeteroMixin:
         batches (across workers the step's totals then take a small all-reduce). To balance,
         distribute a dataset of global batches with `experimental_distribute_dataset`.
         """
-        if not self._user_batched_data and self._is_chief():
+        if not self._user_batched_data and self.is_chief:
             logger.warning(
                 "distribute_datasets_from_function: the dataset function batches each "
                 "replica's data itself, so the split (set_batch_sizes, DynamicBatching, "
@@ -342,11 +329,7 @@ class HeteroMixin:
             RuntimeError: the workers' input pipelines produced different global batches
                 (naming the likely causes and the fix).
         """
-        self._gather_local_rows(np.zeros(self.num_local_replicas))
-
-    def _agree_on_seed(self):
-        """A shuffle seed every worker agrees on (one host: none needed)."""
-        return None
+        self._topology.gather(np.zeros(self.num_local_replicas))
 
     def _check_dataset(self, dataset, evaluation=False):
         if isinstance(dataset, tf.distribute.DistributedDataset):
@@ -384,7 +367,7 @@ class HeteroMixin:
             if sizes is not None:
                 if self._needs_nonempty_replicas:
                     step_run.check_nonempty_sizes(sizes)
-                self._install_for_new_data(sizes)
+                self._topology.install_for_new_data(sizes)
 
     # ----------------------------------------------------------------- the step ----------------
     def run(self, fn, args=(), kwargs=None, options=None):
@@ -411,13 +394,13 @@ class HeteroMixin:
 
     def _step_totals(self, data, kind):
         """Cross-replica context: the step's total samples and sample weight, as a pair of
-        tensors or a replica-context function that returns them.
-
-        On one host the sum over the local replicas' data, at no communication cost (several
-        workers read it from their pipelines, see the subclass).
-        """
-        amounts = [step_run.amounts(d) for d in self.experimental_local_results(data)]
-        return tuple(tf.add_n(list(column)) for column in zip(*amounts))
+        tensors or a replica-context function that returns them (see the topology's
+        `step_totals`). They are recorded by the split pipeline for training data of global
+        batches whose sample weights exist before the split."""
+        recorded = kind != "test_step" and not self._user_batched_data and (
+            self._weights_in_pipeline or not step_run.has_sample_weight(
+                self.experimental_local_results(data)[0]))
+        return self._topology.step_totals(data, recorded)
 
     def _note_local_batch_norm(self):
         """A model with plain BatchNormalization trains: no replica may get 0 samples."""
@@ -453,15 +436,12 @@ class HeteroMixin:
         in force on every replica (one host: the split pipeline runs at most a few global
         batches ahead; several workers: exactly the strategy's `switch_margin`). Measurements
         that start earlier may mix the two splits."""
-        return self._switch_lag_steps()
-
-    def _switch_lag_steps(self):
-        return PIPELINE_LEAD_STEPS
+        return self._topology.switch_lag_steps
 
     @property
     def is_chief(self) -> bool:
         """Whether this process is the chief (writes logs and checkpoints). True on one host."""
-        return self._is_chief()
+        return self._topology.is_chief
 
     def gather_replica_values(self, local_values) -> "np.ndarray":
         """All replicas' values, in replica order, from this process's replicas' values.
@@ -478,7 +458,7 @@ class HeteroMixin:
         Raises:
             ValueError: `local_values` has not one row per local replica.
         """
-        return self._gather_local_rows(self._local_rows(local_values))
+        return self._topology.gather(self._local_rows(local_values))
 
     def _local_rows(self, local_values):
         local_values = np.asarray(local_values, dtype=np.float64)
@@ -507,37 +487,10 @@ class HeteroMixin:
         local = [device_peaks.device_peak_flops(d) for d in self.extended.worker_devices]
         return self.gather_replica_values(np.asarray(local, np.float64))
 
-    # ----------------------------------------------------------------- topology hooks ----------
-    def _is_chief(self):
-        return True
 
-    def _gather_local_rows(self, local_values):
-        return local_values
-
-    def _keyed_by_step(self):
-        return False
-
-    def _time_from_release(self):
-        return False
-
-    def _switch_start(self):
-        return None  # one host: a new split applies to the next global batch produced
-
-    def _partial_batch_handling(self):
-        # Every global batch gives every replica a slice (maybe empty), so all replicas' data
-        # ends at the same step: TensorFlow's per-step check for the opposite is not needed.
-        return False
-
-    def _host_device(self):
-        return "/cpu:0"
-
-    def _one_cpu_replica(self):
-        """This process holds one replica, on a CPU (its data needs no per-device iterator)."""
-        devices = self.extended.worker_devices
-        return len(devices) == 1 and tf.DeviceSpec.from_string(devices[0]).device_type == "CPU"
-
-    def _replica_range(self):
-        return None
+def _one_cpu_replica(devices):
+    """Whether a process holds one replica, on a CPU (its data needs no per-device iterator)."""
+    return len(devices) == 1 and tf.DeviceSpec.from_string(devices[0]).device_type == "CPU"
 
 
 class HeteroMirroredStrategy(HeteroMixin, tf.distribute.MirroredStrategy):
@@ -577,7 +530,7 @@ class HeteroMirroredStrategy(HeteroMixin, tf.distribute.MirroredStrategy):
     def __init__(self, devices=None, cross_device_ops=None):
         collectives.assign_collective_key_base(self)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
-        self._init_hetero()
+        self._init_hetero(topology.OneHost(self))
 
 
 class StepCounter:

@@ -96,6 +96,21 @@ def map_inline(dataset, fn):
     return _host_dataset(dataset, fn, "Dataset.map()", make_variant, lambda: dataset.map(fn))
 
 
+def without_map_and_batch_fusion(dataset):
+    """`dataset` with tf.data's map-and-batch fusion off.
+
+    A function that builds several `map(f).batch(n)` chains whose maps capture state (a
+    worker hosting several replicas, each slice's per-sample maps run after the split) fails
+    at iterator creation with the fusion on: "MutableGraphView::DeleteNodes(...) error: can't
+    delete node(s) with retained fanouts(s) [MapDataset]" (TensorFlow 2.21; canary in
+    tests/test_upstream_tf_data.py). Each slice's batch is one small batch of its own samples,
+    so the fusion saves nothing there.
+    """
+    options = tf.data.Options()
+    options.experimental_optimization.map_and_batch_fusion = False
+    return dataset.with_options(options)
+
+
 def flat_map_host(dataset, fn):
     """`dataset.flat_map(fn)` with `fn` a host function (see above)."""
 

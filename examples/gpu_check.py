@@ -1,0 +1,315 @@
+"""Checks tf_hetbatch on this machine's devices, GPUs and CPU together, and prints one table.
+
+On a machine with GPUs (a few minutes):
+
+    python examples/gpu_check.py
+
+1. every device alone (each GPU, the CPU): its kind and measured samples/s;
+2. one host, all of them as replicas (GPUs and the CPU in one job): the static split (each
+   replica's nominal FLOP/s, `part_capacities`) and the split `DynamicBatching` settles on;
+3. exactness: that job with an uneven split against one device on the same global batches;
+4. two workers (`tf_hetbatch.launch`): worker 0 hosts the GPUs, worker 1 the CPU; the kinds
+   differ, so the all-reduce goes through each worker's CPU (`strategy.layout.all_reduce` is
+   "host"); each replica's samples/s and the exactness against one device.
+
+Without a GPU it says which parts it skipped and runs the rest on logical CPUs: two logical
+CPUs stand in for a host with two devices, and the two workers host 1 and 2 logical CPUs with
+the host all-reduce forced (the path a GPU worker and a CPU worker take). `--steps 4` is the
+tiny mode the test suite runs (well under a minute on CPU).
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+BATCH = 64
+EXACT = 1e-5  # the same kind of device: float32 rounding only
+EXACT_MIXED = 1e-4  # GPUs and CPUs: different kernels round differently
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=0,
+                        help="tiny mode: steps of each part (default: the full check)")
+    parser.add_argument("--filters", type=int, default=32, help="conv filters of the model")
+    parser.add_argument("--out", default="", help="write the results as JSON here too")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--gpus", type=int, default=0, help=argparse.SUPPRESS)
+    return parser
+
+
+def steps_of(args):
+    """Steps of each part: (per device, dynamic, exactness, cluster)."""
+    if args.steps:
+        return args.steps, 5 * args.steps, args.steps, args.steps
+    return 40, 300, 20, 40
+
+
+# ------------------------------------------------------------------------- model, data ----
+def data(n, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 10, n)
+    x = rng.normal(0.0, 1.0, (n, 28, 28, 1)).astype("float32")
+    x[np.arange(n), y * 2 + 4, 4:24, 0] += 3.0  # a learnable mark per class
+    return x, y.astype("int64")
+
+
+def dataset(steps, seed=0):
+    import tensorflow as tf
+
+    x, y = data(steps * BATCH, seed)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+
+
+def make_model(filters):
+    import keras
+
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(filters, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(4),
+        keras.layers.Flatten(),
+        keras.layers.Dense(10),
+    ])
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def max_diff(a, b):
+    import numpy as np
+
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
+
+
+def one_device_weights(steps, filters):
+    """One device (TensorFlow's default placement) on the same global batches."""
+    model = make_model(filters)
+    model.fit(dataset(steps), epochs=1, verbose=0)
+    return model.get_weights()
+
+
+class StepClock:
+    """Wall time of each training step (a Keras callback)."""
+
+    def __init__(self):
+        import keras
+
+        clock = self
+
+        class Callback(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                clock.start = time.perf_counter()
+
+            def on_train_batch_end(self, batch, logs=None):
+                clock.seconds.append(time.perf_counter() - clock.start)
+
+        self.seconds, self.start, self.callback = [], 0.0, Callback()
+
+    def samples_per_second(self):
+        import numpy as np
+
+        late = self.seconds[len(self.seconds) // 2:] or self.seconds
+        return BATCH / float(np.median(late))
+
+
+# ------------------------------------------------------------------------- one host -------
+def set_up_devices(num_gpus):
+    """This process's replica devices: every GPU and the CPU; without GPUs, 2 logical CPUs."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        tf.config.experimental.set_memory_growth(gpu, True)
+    if not num_gpus:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        return ["/cpu:0", "/cpu:1"]
+    tf.config.experimental.enable_tensor_float_32_execution(False)  # float32, as on the CPU
+    return [f"/gpu:{i}" for i in range(num_gpus)] + ["/cpu:0"]
+
+
+def measure_devices(devices, args):
+    """Per device alone: (kind, samples/s)."""
+    import tensorflow as tf
+
+    import tf_hetbatch as hb
+
+    steps = steps_of(args)[0]
+    out = []
+    for device in devices:
+        strategy = hb.HeteroMirroredStrategy([device])
+        with strategy.scope():
+            model = make_model(args.filters)
+        clock = StepClock()
+        model.fit(dataset(steps).repeat(), steps_per_epoch=steps, epochs=1, verbose=0,
+                  callbacks=[clock.callback])
+        kind = tf.DeviceSpec.from_string(device).device_type
+        out.append({"device": device, "kind": kind, "samples_per_s": clock.samples_per_second()})
+    return out
+
+
+def one_host(devices, args):
+    """Static split, settled split and exactness of one job over all `devices`."""
+    import tf_hetbatch as hb
+    from tf_hetbatch.core.split import split_proportionally
+
+    _, dynamic_steps, exact_steps, _ = steps_of(args)
+    strategy = hb.HeteroMirroredStrategy(devices)
+    static = [int(s) for s in split_proportionally(
+        BATCH, strategy.part_capacities(), min_sizes=1)]
+    with strategy.scope():
+        model = make_model(args.filters)
+    dynamic = hb.DynamicBatching(initial="flops", warmup_steps=2 if args.steps else 5,
+                                 interval=4 if args.steps else 10)
+    model.fit(dataset(dynamic_steps, seed=1).repeat(), steps_per_epoch=dynamic_steps,
+              epochs=1, verbose=0, callbacks=[dynamic])
+    # Exactness: a fresh model, an uneven split, against one device from the same start.
+    exact = hb.HeteroMirroredStrategy(devices)
+    exact.set_batch_sizes(static)
+    with exact.scope():
+        ours = make_model(args.filters)
+    ours.fit(dataset(exact_steps), epochs=1, verbose=0)
+    diff = max_diff(ours.get_weights(), one_device_weights(exact_steps, args.filters))
+    return {"static_split": static, "settled_split": list(dynamic.settled_batch_sizes),
+            "exact_split": static, "max_weight_diff": diff}
+
+
+# ------------------------------------------------------------------------- two workers ----
+def worker(args):
+    """One worker of the two-worker job (TF_CONFIG set by the launcher)."""
+    import tensorflow as tf
+
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    if args.gpus:
+        if index == 0:
+            devices = set_up_devices(args.gpus)[:-1]  # the GPUs
+        else:
+            tf.config.set_visible_devices([], "GPU")  # the CPU only
+            devices = ["/cpu:0"]
+    else:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * (index + 1))
+        devices = [f"/cpu:{i}" for i in range(index + 1)]
+    import numpy as np
+
+    import tf_hetbatch as hb
+    from tf_hetbatch.core.split import split_proportionally
+
+    steps = steps_of(args)[3]
+    strategy = hb.HeteroMultiWorkerMirroredStrategy(
+        devices, all_reduce=None if args.gpus else "host")
+    split = [int(s) for s in split_proportionally(
+        BATCH, strategy.part_capacities(), min_sizes=1)]  # a collective: every worker
+    strategy.set_batch_sizes(split)
+    with strategy.scope():
+        model = make_model(args.filters)
+    model.fit(dataset(steps), epochs=1, verbose=0)
+    times = strategy.read_replica_times()  # a collective: every worker
+    if strategy.is_chief:
+        layout = strategy.layout
+        result = {"layout": layout.describe(), "all_reduce": layout.all_reduce,
+                  "kinds": list(layout.replica_kinds), "split": split,
+                  "samples_per_s": (np.asarray(times.samples)
+                                    / np.maximum(times.seconds, 1e-9)).tolist(),
+                  "max_weight_diff": max_diff(model.get_weights(),
+                                              one_device_weights(steps, args.filters))}
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+
+
+def two_workers(args, num_gpus, workdir):
+    """Runs the two-worker job through the launcher; the chief's result."""
+    from tf_hetbatch.launch import launch
+
+    result = os.path.join(workdir, "two_workers.json")
+    command = [os.path.abspath(__file__), "--worker", "--result", result, "--gpus",
+               str(num_gpus), "--filters", str(args.filters), "--steps", str(args.steps)]
+    lines = []
+
+    class Lines:
+        def write(self, text):
+            lines.extend(text.splitlines())
+            return len(text)
+
+        def flush(self):
+            pass
+
+    outcome = launch(command, 2, threads=None if num_gpus else 1, timeout=900,
+                     stdout=Lines(), stderr=Lines(), handle_signals=False)
+    if not outcome.ok:
+        print("\n".join(lines[-30:]))
+        raise SystemExit(f"gpu_check: the two-worker job failed: {outcome.message}")
+    with open(result) as f:
+        return json.load(f)
+
+
+# ------------------------------------------------------------------------- the table ------
+def verdict(diff, mixed):
+    bound = EXACT_MIXED if mixed else EXACT
+    return f"{diff:.1e} ({'ok' if diff <= bound else 'NOT'} <= {bound:g})"
+
+
+def print_table(results):
+    gpus = results["gpus"]
+    print(f"\ntf_hetbatch GPU check: TensorFlow {results['tensorflow']}, {gpus} GPU(s)")
+    if not gpus:
+        print("No GPU here: skipped the GPU devices, CPU+GPU replicas in one job, and a GPU "
+              "worker beside a CPU worker; their mechanisms ran on logical CPUs instead (2 "
+              "logical CPUs as one host's devices; workers hosting 1 and 2 logical CPUs, "
+              "the host all-reduce forced).")
+    host = results["one_host"]
+    print(f"\n{'device':12}{'kind':>6}{'samples/s':>12}{'static split':>14}"
+          f"{'settled split':>15}")
+    for row, static, settled in zip(results["devices"], host["static_split"],
+                                    host["settled_split"]):
+        print(f"{row['device']:12}{row['kind']:>6}{row['samples_per_s']:>12.0f}"
+              f"{static:>14}{settled:>15}")
+    mixed = gpus > 0
+    print(f"\none host, {len(results['devices'])} replicas"
+          f"{' (GPUs and the CPU)' if mixed else ''}, split {host['exact_split']}: "
+          f"exact vs one device: {verdict(host['max_weight_diff'], mixed)}")
+    cluster = results["two_workers"]
+    speeds = ", ".join(f"{k} {s:.0f}" for k, s in zip(cluster["kinds"],
+                                                       cluster["samples_per_s"]))
+    print(f"two workers: {cluster['layout']}\n  split {cluster['split']}; samples/s per "
+          f"replica: {speeds}\n  exact vs one device: "
+          f"{verdict(cluster['max_weight_diff'], mixed)}")
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        return worker(args)
+    import tensorflow as tf  # listing physical devices does not start the runtime
+
+    num_gpus = len(tf.config.list_physical_devices("GPU"))
+    workdir = tempfile.mkdtemp(prefix="tf_hetbatch_gpu_check_")
+    results = {"tensorflow": tf.__version__, "gpus": num_gpus,
+               "two_workers": two_workers(args, num_gpus, workdir)}  # before this process
+    devices = set_up_devices(num_gpus)                             # takes GPU memory
+    results["devices"] = measure_devices(devices, args)
+    results["one_host"] = one_host(devices, args)
+    print_table(results)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
