@@ -94,6 +94,14 @@ def max_diff(a, b):
     return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
 
 
+def skewed(split):
+    """`split` made clearly uneven for the exactness checks: half of the first replica's
+    share moved to the last (equal devices get an even static split, which would check
+    little)."""
+    moved = split[0] // 2
+    return [split[0] - moved] + list(split[1:-1]) + [split[-1] + moved]
+
+
 def one_device_weights(steps, filters):
     """One device (TensorFlow's default placement) on the same global batches."""
     model = make_model(filters)
@@ -179,13 +187,13 @@ def one_host(devices, args):
               epochs=1, verbose=0, callbacks=[dynamic])
     # Exactness: a fresh model, an uneven split, against one device from the same start.
     exact = hb.HeteroMirroredStrategy(devices)
-    exact.set_batch_sizes(static)
+    exact.set_batch_sizes(skewed(static))
     with exact.scope():
         ours = make_model(args.filters)
     ours.fit(dataset(exact_steps), epochs=1, verbose=0)
     diff = max_diff(ours.get_weights(), one_device_weights(exact_steps, args.filters))
     return {"static_split": static, "settled_split": list(dynamic.settled_batch_sizes),
-            "exact_split": static, "max_weight_diff": diff}
+            "exact_split": skewed(static), "max_weight_diff": diff}
 
 
 # ------------------------------------------------------------------------- two workers ----
@@ -213,8 +221,8 @@ def worker(args):
     steps = steps_of(args)[3]
     strategy = hb.HeteroMultiWorkerMirroredStrategy(
         devices, all_reduce=None if args.gpus else "host")
-    split = [int(s) for s in split_proportionally(
-        BATCH, strategy.part_capacities(), min_sizes=1)]  # a collective: every worker
+    split = skewed([int(s) for s in split_proportionally(
+        BATCH, strategy.part_capacities(), min_sizes=1)])  # a collective: every worker
     strategy.set_batch_sizes(split)
     with strategy.scope():
         model = make_model(args.filters)
@@ -224,8 +232,7 @@ def worker(args):
         layout = strategy.layout
         result = {"layout": layout.describe(), "all_reduce": layout.all_reduce,
                   "kinds": list(layout.replica_kinds), "split": split,
-                  "samples_per_s": (np.asarray(times.samples)
-                                    / np.maximum(times.seconds, 1e-9)).tolist(),
+                  "samples_per_s": np.nan_to_num(times.throughput).tolist(),
                   "max_weight_diff": max_diff(model.get_weights(),
                                               one_device_weights(steps, args.filters))}
         with open(args.result, "w") as f:

@@ -38,9 +38,27 @@ def test_replicas_are_numbered_in_worker_order_whatever_each_worker_hosts():
     assert lay.local_devices == tuple(gpus(1, 2))
     assert lay.all_reduce == "device"
     assert lay.replica_kinds == ("GPU",) * 7
-    assert lay.describe() == "3 workers: [4 GPU] [2 GPU] [1 GPU]; 7 replicas; all-reduce device"
-    # NCCL is fine when every replica everywhere is a GPU.
-    assert layout.layout_from_entries(entries, 0, None, "NCCL").all_reduce == "device"
+    assert lay.describe() == (
+        "3 workers: [4 GPU] [2 GPU] [1 GPU]; 7 replicas; all-reduce device (AUTO)")
+
+
+@pytest.mark.parametrize("entries, all_reduce, implementation, decided", [
+    ([entry(*gpus(0, 4)), entry(*gpus(1, 2))], None, "AUTO", ("device", "AUTO")),
+    ([entry(*gpus(0, 4)), entry(*gpus(1, 2))], None, "NCCL", ("device", "NCCL")),
+    ([entry(*gpus(0, 4)), entry(*gpus(1, 2))], None, "RING", ("device", "RING")),
+    ([entry(*gpus(0, 4)), entry(*gpus(1, 2))], "host", "AUTO", ("host", "RING")),
+    ([entry(*gpus(0, 2)), entry(*cpus_of(1, 1))], None, "AUTO", ("host", "RING")),
+    ([entry(*gpus(0, 2)), entry(*cpus_of(1, 1))], None, "RING", ("host", "RING")),
+    ([entry(*cpus_of(0, 1)), entry(*cpus_of(1, 2))], None, "AUTO", ("device", "AUTO")),
+], ids=["gpus auto", "gpus nccl", "gpus ring", "gpus host", "gpu+cpu auto", "gpu+cpu ring",
+        "cpus auto"])
+def test_the_all_reduce_is_decided_once_from_the_layout_and_an_explicit_choice_wins(
+        entries, all_reduce, implementation, decided):
+    # Every worker decides from the same exchanged entries: the same on each.
+    found = {(lay.all_reduce, lay.implementation) for lay in (
+        layout.layout_from_entries(entries, w, all_reduce, implementation)
+        for w in range(len(entries)))}
+    assert found == {decided}
 
 
 @pytest.mark.parametrize("entries", [
@@ -139,3 +157,17 @@ def test_the_host_all_reduce_trains_exactly_like_one_device(cpus):
         assert mine["accuracy"] == pytest.approx(theirs["accuracy"], rel=1e-5)
     np.testing.assert_array_equal(strategy.read_replica_times().samples_per_step, [3, 7, 22])
     np.testing.assert_array_equal(strategy.gather_replica_values([1.0, 2.0, 3.0]), [1, 2, 3])
+
+
+def test_a_strategy_uses_the_decided_implementation_and_refuses_nccl_on_cpus(cpus):
+    ring = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+    strategy = hb.HeteroMultiWorkerMirroredStrategy(cpus[:2], communication_options=ring)
+    assert strategy.layout.implementation == "RING"
+    nccl = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.NCCL)
+    with pytest.raises(ValueError, match=re.escape(
+            "`communication_options.implementation` NCCL needs every replica on a GPU and the "
+            "device all-reduce. Received: NCCL, all-reduce 'device', kinds per worker "
+            "{0: ['CPU']}. Fix: CommunicationImplementation.RING or AUTO.")):
+        hb.HeteroMultiWorkerMirroredStrategy(cpus[:2], communication_options=nccl)

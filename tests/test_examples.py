@@ -120,3 +120,24 @@ def test_custom_loop_tiny_mode_runs_the_tutorial_with_a_balancer(tmp_path):
     assert summary["history"][0]["new"] == [64, 64]
     assert sum(summary["batch_sizes"]) == 128
     assert glob.glob(str(tmp_path / "ckpt" / "ckpt-2*"))  # the balancer saved with the run
+
+
+def test_gpu_check_tiny_mode_on_cpu_says_what_it_skipped(tmp_path):
+    # No GPU here: the check runs its mechanisms on logical CPUs (one host of 2; two workers
+    # hosting 1 and 2, the host all-reduce forced) and says which GPU parts it skipped.
+    results = tmp_path / "gpu_check.json"
+    out = run(["examples/gpu_check.py", "--steps", "4", "--filters", "8", "--out",
+               str(results)], timeout=420)
+    assert "0 GPU(s)" in out and "No GPU here: skipped the GPU devices" in out
+    assert "two workers: 2 workers: [1 CPU] [2 CPU]; 3 replicas; all-reduce host (RING)" in out
+    with open(results) as f:
+        found = json.load(f)
+    assert [row["kind"] for row in found["devices"]] == ["CPU", "CPU"]
+    assert all(row["samples_per_s"] > 0 for row in found["devices"])
+    host, cluster = found["one_host"], found["two_workers"]
+    assert sum(host["static_split"]) == sum(host["settled_split"]) == 64
+    assert host["exact_split"] != host["static_split"]  # an uneven split, checked
+    assert host["max_weight_diff"] <= 1e-5 and cluster["max_weight_diff"] <= 1e-5
+    assert len(cluster["split"]) == 3 and sum(cluster["split"]) == 64
+    assert len(set(cluster["split"])) > 1
+    assert cluster["kinds"] == ["CPU"] * 3 and all(s > 0 for s in cluster["samples_per_s"])

@@ -325,17 +325,19 @@ def test_layout_dynamic_batching_moves_samples_from_a_slow_replica(tmp_path):
     assert_every_worker_equals(reference_run(n=1920, epochs=1)[0], outputs)
 
 
-@pytest.mark.parametrize("case, args, message, workers", [
-    ("missing", ["--layout", "1,2", "--worker-devices", "1=/cpu:0,/cpu:5"],
-     "`devices` must name existing devices of each worker, each once. Received: worker 1: "
-     "'/cpu:5' does not exist here (this worker has CPU:0, CPU:1)", 2),
-    ("twice", ["--layout", "1,2", "--worker-devices", "1=/cpu:1,/cpu:1"],
-     "Received: worker 1: ['/cpu:1', '/cpu:1'] names a device twice", 2),
-    ("silent", ["--layout", "1,1", "--stock-worker", "1"],
+@pytest.mark.parametrize("args, message, workers", [
+    (["--layout", "1,2", "--worker-devices", "0=;1=/cpu:0,/cpu:5"],
+     "`devices` must name existing devices of each worker, each once. Received: worker 0: it "
+     "names no device; worker 1: '/cpu:5' does not exist here (this worker has CPU:0, CPU:1)",
+     2),
+    (["--layout", "1,2", "--worker-switch-margin", "1=16"],
+     "Every worker must create the strategy with the same `switch_margin`, and see the same "
+     "cluster. Received: worker 0: 8; worker 1: 16.", 2),
+    (["--layout", "1,1", "--stock-worker", "1"],
      "RuntimeError: Worker 1 did not publish its devices within 5 s", 1),
-], ids=["missing device", "device twice", "worker never publishes"])
-def test_layout_a_bad_one_is_refused_on_every_worker_before_any_step(tmp_path, case, args,
-                                                                    message, workers):
+], ids=["no device, a missing device", "workers disagree", "worker never publishes"])
+def test_layout_a_bad_one_is_refused_on_every_worker_before_any_step(tmp_path, args, message,
+                                                                    workers):
     log = run_failing_cluster(tmp_path, 2, *args, timeout=120, grace=3)
     assert "strategy created" not in log and "training starts" not in log
     for i in range(workers):

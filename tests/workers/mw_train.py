@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_hetbatch as hb  # noqa: E402
+from tf_hetbatch.distribute.multi_worker import DEFAULT_SWITCH_MARGIN  # noqa: E402
 
 
 def data(n):
@@ -61,7 +62,7 @@ def layout_devices(layout, worker_devices=""):
         cpus[0], [tf.config.LogicalDeviceConfiguration()] * count)
     overrides = dict(item.split("=", 1) for item in worker_devices.split(";") if item)
     if str(index) in overrides:
-        return overrides[str(index)].split(",")
+        return [d for d in overrides[str(index)].split(",") if d]
     return [f"/cpu:{i}" for i in range(count)]
 
 
@@ -231,6 +232,9 @@ def main():
     parser.add_argument("--layout", default="", help="replicas (logical CPUs) per worker")
     parser.add_argument("--worker-devices", default="",
                         help="W=dev,dev;... : worker W's device list instead (bad layouts)")
+    parser.add_argument("--worker-switch-margin", default="",
+                        help="W=m : worker W creates its strategy with switch_margin=m (workers "
+                        "that disagree)")
     parser.add_argument("--all-reduce", default=None, choices=["device", "host"])
     parser.add_argument("--model", default="dense", choices=["dense", "bn-adam"])
     parser.add_argument("--slow-replica", type=int, default=-1,
@@ -252,8 +256,11 @@ def main():
         if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == args.stock_worker:
             tf.distribute.MultiWorkerMirroredStrategy()
             time.sleep(60)
-    strategy = hb.HeteroMultiWorkerMirroredStrategy(devices, communication_options=options,
-                                                    all_reduce=args.all_reduce)
+    margins = dict(item.split("=") for item in args.worker_switch_margin.split(";") if item)
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    strategy = hb.HeteroMultiWorkerMirroredStrategy(
+        devices, communication_options=options, all_reduce=args.all_reduce,
+        switch_margin=int(margins.get(str(index), DEFAULT_SWITCH_MARGIN)))
     print(f"mw_train: strategy created, {strategy.layout.describe()}", flush=True)
     if args.sizes:
         strategy.set_batch_sizes([int(s) for s in args.sizes.split(",")])

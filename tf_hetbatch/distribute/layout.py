@@ -50,11 +50,15 @@ class DeviceLayout:
         worker: this process's position in `devices` (TensorFlow's id in cluster).
         all_reduce: "device" (one collective group of all replicas) or "host" (each worker's
             replicas summed on its CPU, the CPUs all-reduced).
+        implementation: the collective implementation every worker uses ("AUTO", "RING",
+            "NCCL"): the user's `communication_options.implementation` on the device path,
+            "RING" on the host path (the only one between CPUs).
     """
 
     devices: Tuple[Tuple[str, ...], ...]
     worker: int
     all_reduce: str
+    implementation: str = "AUTO"
 
     @property
     def num_workers(self) -> int:
@@ -90,13 +94,14 @@ class DeviceLayout:
         return tuple(kind for worker in self.kinds for kind in worker)
 
     def describe(self) -> str:
-        """One line, e.g. "2 workers: [1 CPU] [2 CPU]; 3 replicas; all-reduce device"."""
+        """One line, e.g. "2 workers: [1 CPU] [2 CPU]; 3 replicas; all-reduce device (AUTO)"."""
         parts = []
         for kinds in self.kinds:
             counted = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
             parts.append("[" + ", ".join(f"{n} {k}" for k, n in counted.items()) + "]")
         return (f"{self.num_workers} worker{'s' if self.num_workers > 1 else ''}: "
-                f"{' '.join(parts)}; {self.total} replicas; all-reduce {self.all_reduce}")
+                f"{' '.join(parts)}; {self.total} replicas; all-reduce {self.all_reduce} "
+                f"({self.implementation})")
 
 
 def device_kind(name: str) -> str:
@@ -199,7 +204,9 @@ def layout_from_entries(entries: Sequence[Mapping[str, Any]], worker: int,
         implementation: the `CommunicationImplementation` name ("AUTO", "RING", "NCCL").
 
     Returns:
-        The `DeviceLayout`.
+        The `DeviceLayout`: its `all_reduce` is the argument if given, else "device" when every
+        replica is of one kind and "host" when kinds differ; its `implementation` is RING on
+        the host path, else `implementation`.
 
     Raises:
         ValueError: a worker's devices are wrong, the workers' settings differ, mixed kinds
@@ -230,7 +237,7 @@ def layout_from_entries(entries: Sequence[Mapping[str, Any]], worker: int,
             "`communication_options.implementation` NCCL needs every replica on a GPU and the "
             f"device all-reduce. Received: NCCL, all-reduce '{chosen}', {where}. Fix: "
             "CommunicationImplementation.RING or AUTO.")
-    return DeviceLayout(devices, worker, chosen)
+    return DeviceLayout(devices, worker, chosen, "RING" if chosen == "host" else implementation)
 
 
 def _check_same_settings(entries):

@@ -49,7 +49,8 @@ from tf_hetbatch.distribute._upstream import coordination
 
 logger = logging.getLogger(__name__)
 
-RING = tf.distribute.experimental.CommunicationImplementation.RING
+IMPLEMENTATIONS = tf.distribute.experimental.CommunicationImplementation
+RING = IMPLEMENTATIONS.RING
 
 
 def make_strategy(strategy, devices, cluster_resolver, communication_options, all_reduce,
@@ -125,14 +126,16 @@ class LayoutExtended(_cars.CollectiveAllReduceExtended):
 
     def _build_groups(self):
         base = self._collective_key_base
-        options = self._communication_options
         layout = self.layout
+        # The implementation decided from the exchanged layout, the same on every worker.
+        options = self._communication_options.merge(
+            tf.distribute.experimental.CommunicationOptions(
+                implementation=IMPLEMENTATIONS[layout.implementation]))
+        self._communication_options = options
         if layout.all_reduce == "host":
             self._cross_device_ops = HostAllReduce(
                 layout.local_devices, self._host_device, layout.num_workers, layout.total,
-                options.merge(tf.distribute.experimental.CommunicationOptions(
-                    implementation=RING)),
-                _cdu.CollectiveKeys(group_key_start=base + 1))
+                options, _cdu.CollectiveKeys(group_key_start=base + 1))
         else:
             self._cross_device_ops = LayoutCollectiveAllReduce(
                 layout.local_devices, layout.total, options,
