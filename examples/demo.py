@@ -13,6 +13,7 @@ worker decodes every sample). `--pipeline arrays` trains from in-memory arrays i
 
     python examples/demo.py              # 4-6 minutes on 2 cores (longer when loaded)
     python examples/demo.py --steps 3    # tiny mode (the test suite runs it)
+    python examples/demo.py --layout 1,2 --caps 0.4,0.96   # worker 1 hosts 2 replicas
 """
 
 import argparse
@@ -60,12 +61,12 @@ def run(mode, args, caps, workdir):
               "--input-work", args.input_work,
               "--steps-per-execution", str(args.steps_per_execution),
               "--result", result, "--log-dir", log_dir,
-              "--progress-every", "0" if args.steps else "20"]
+              "--progress-every", "0" if args.steps else "20", "--layout", args.layout]
     if args.steps:
         script += ["--steps", str(args.steps)]
     stream = Filtered(sys.stdout, keep_all=args.verbose)
     start = time.perf_counter()
-    outcome = launch(script, 3, cpus=caps, threads=1, timeout=args.timeout, stdout=stream,
+    outcome = launch(script, len(caps), cpus=caps, threads=1, timeout=args.timeout, stdout=stream,
                      stderr=stream, handle_signals=True)
     if not outcome.ok:
         sys.stdout.write("\n".join(stream.lines[-40:]) + "\n")
@@ -78,14 +79,23 @@ def run(mode, args, caps, workdir):
     return summary
 
 
-def print_workers(runs, caps):
-    """Per worker: samples, compute and input time per step, for each run."""
-    header = f"{'':10}{'cap':>6}"
+def replica_names(caps, layout):
+    """(name, the cap of its worker) of every replica, in replica order."""
+    counts = [int(c) for c in layout.split(",")] if layout else [1] * len(caps)
+    if len(counts) == 1 or max(counts) == 1:
+        return [(f"worker {w}", cap) for w, cap in enumerate(caps)]
+    return [(f"worker {w}/{i}", cap) for w, (cap, n) in enumerate(zip(caps, counts))
+            for i in range(n)]
+
+
+def print_workers(runs, caps, layout=""):
+    """Per replica: samples, compute and input time per step, for each run."""
+    header = f"{'':12}{'cap':>6}"
     for mode in runs:
         header += f"  | {mode + ': samples':>16}{'compute ms':>11}{'input ms':>9}"
     lines = [header]
-    for k, cap in enumerate(caps):
-        line = f"{'worker ' + str(k):10}{cap:>6g}"
+    for k, (name, cap) in enumerate(replica_names(caps, layout)):
+        line = f"{name:12}{cap:>6g}"
         for r in runs.values():
             samples = r["samples_per_step"][k] if r["samples_per_step"] else None
             compute = r["compute_ms_per_step"][k] if r["compute_ms_per_step"] else None
@@ -103,6 +113,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--caps", default="0.24,0.4,0.96",
                         help="CPU cap per worker (default: 3:5:12 over 1.6 of this machine's 2 CPUs)")
+    parser.add_argument("--layout", default="",
+                        help="replicas (logical CPUs) per worker, e.g. 1,2 with --caps 0.4,0.96: "
+                             "a worker hosting 2 replicas under one cap (default: one each)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--train-samples", type=int, default=7680)
     parser.add_argument("--test-samples", type=int, default=3000)
@@ -126,10 +139,14 @@ def main(argv=None):
     parser.add_argument("--verbose", action="store_true", help="show every worker's output")
     args = parser.parse_args(argv)
     caps = [float(c) for c in args.caps.split(",")]
+    if args.layout and len(args.layout.split(",")) != len(caps):
+        parser.error(f"--layout names {len(args.layout.split(','))} workers and --caps "
+                     f"{len(caps)}: give one cap per worker")
     workdir = args.out or tempfile.mkdtemp(prefix="tf_hetbatch_demo_")
     os.makedirs(workdir, exist_ok=True)
 
-    print(f"tf_hetbatch demo: 3 workers on 127.0.0.1, CPU caps {caps} "
+    hosted = f" hosting {args.layout} replicas" if args.layout else ""
+    print(f"tf_hetbatch demo: {len(caps)} workers{hosted} on 127.0.0.1, CPU caps {caps} "
           f"(H = {max(caps) / min(caps):.1f}), global batch {args.batch}, "
           f"steps_per_execution {args.steps_per_execution}")
     runs = {}
@@ -153,11 +170,13 @@ def main(argv=None):
     print(f"\n{'':26}{'stock even split':>20}{'DynamicBatching':>20}")
     for name, (a, b) in rows:
         print(f"{name:26}{a:>20}{b:>20}")
+    counts = [int(c) for c in args.layout.split(",")] if args.layout else [1] * len(caps)
+    shares = [cap / n for cap, n in zip(caps, counts) for _ in range(n)]  # X per replica
     speedup = even["epoch_seconds"][-1] / dyn["epoch_seconds"][-1]
     step_speedup = even["step_ms_late_median"] / dyn["step_ms_late_median"]
     print(f"\nspeedup: {speedup:.2f}x per epoch ({step_speedup:.2f}x per step; "
-          f"naive ceiling sum X / (K min X) = {sum(caps) / (len(caps) * min(caps)):.2f}x)")
-    print_workers(runs, caps)
+          f"naive ceiling sum X / (K min X) = {sum(shares) / (len(shares) * min(shares)):.2f}x)")
+    print_workers(runs, caps, args.layout)
     print("Training is exact under any split, so both runs learn the same model "
           "(accuracies differ only by floating-point rounding).")
     print(f"TensorBoard: tensorboard --logdir {dyn['log_dir']}  (Custom Scalars tab)")

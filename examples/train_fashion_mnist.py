@@ -136,6 +136,19 @@ def gather_input_work(strategy, meter, steps):
             "samples_per_step": (samples / steps).tolist()}
 
 
+def worker_devices(layout):
+    """This worker's replicas for `--layout` ("1,2": worker i hosts that many logical CPUs,
+    configured here before TensorFlow starts); None without one (TensorFlow's choice)."""
+    if not layout:
+        return None
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    count = [int(c) for c in layout.split(",")][index]
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0],
+        [tf.config.LogicalDeviceConfiguration()] * count)
+    return [f"/cpu:{i}" for i in range(count)]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["even", "static", "dynamic"], default="dynamic")
@@ -159,13 +172,16 @@ def main(argv=None):
                         help="Keras's steps_per_execution (cuts a step's fixed cost)")
     parser.add_argument("--replicas", type=int, default=0,
                         help="without TF_CONFIG: logical CPU replicas on this host")
+    parser.add_argument("--layout", default="",
+                        help="with TF_CONFIG: logical CPU replicas per worker, e.g. 1,2 (a "
+                             "worker hosting several devices); default: one each")
     parser.add_argument("--log-dir", default="")
     parser.add_argument("--result", default="")
     parser.add_argument("--progress-every", type=int, default=25)
     args = parser.parse_args(argv)
 
     if "TF_CONFIG" in os.environ:
-        strategy = hb.HeteroMultiWorkerMirroredStrategy()
+        strategy = hb.HeteroMultiWorkerMirroredStrategy(worker_devices(args.layout))
     else:
         cpus = tf.config.list_physical_devices("CPU")
         n = max(args.replicas, 1)

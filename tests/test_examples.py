@@ -26,9 +26,13 @@ def run(args, timeout):
 
 def test_demo_tiny_mode_prints_the_comparison(tmp_path):
     # Milder caps than the demo's default (0.24 CPU takes ~20 s to import TensorFlow) and less
-    # data: the flow is what is checked here; the figures come from the full demo.
-    out = run(["examples/demo.py", "--steps", "3", "--epochs", "1", "--caps", "0.5,0.5,1.0",
-               "--train-samples", "1280", "--test-samples", "512", "--out", str(tmp_path)], 300)
+    # data: the flow is what is checked here; the figures come from the full demo. Its layout
+    # mode: worker 1 hosts 2 of the 3 replicas (logical CPUs) under its one cap.
+    out = run(["examples/demo.py", "--steps", "3", "--epochs", "1", "--caps", "0.5,1.0",
+               "--layout", "1,2", "--train-samples", "1280", "--test-samples", "512", "--out",
+               str(tmp_path)], 300)
+    assert "2 workers hosting 1,2 replicas" in out
+    assert "worker 1/0" in out and "worker 1/1" in out
     assert "stock even split" in out and "DynamicBatching" in out
     assert "speedup:" in out and "test accuracy" in out
     summary = json.loads((tmp_path / "demo_summary.json").read_text())
