@@ -13,7 +13,7 @@ worker decodes every sample). `--pipeline arrays` trains from in-memory arrays i
 
     python examples/demo.py              # 4-6 minutes on 2 cores (longer when loaded)
     python examples/demo.py --steps 3    # tiny mode (the test suite runs it)
-    python examples/demo.py --layout 1,2 --caps 0.4,0.96   # worker 1 hosts 2 replicas
+    python examples/demo.py --layout 1,2 --caps 0.24,0.96  # worker 1 hosts 2 replicas
 """
 
 import argparse
@@ -114,7 +114,7 @@ def main(argv=None):
     parser.add_argument("--caps", default="0.24,0.4,0.96",
                         help="CPU cap per worker (default: 3:5:12 over 1.6 of this machine's 2 CPUs)")
     parser.add_argument("--layout", default="",
-                        help="replicas (logical CPUs) per worker, e.g. 1,2 with --caps 0.4,0.96: "
+                        help="replicas (logical CPUs) per worker, e.g. 1,2 with --caps 0.24,0.96: "
                              "a worker hosting 2 replicas under one cap (default: one each)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--train-samples", type=int, default=7680)
