@@ -19,6 +19,7 @@ _PUBLIC = {
     "HeteroMirroredStrategy": "tf_hetbatch.distribute.strategy",
     "HeteroMultiWorkerMirroredStrategy": "tf_hetbatch.distribute.multi_worker",
     "HeteroParameterServerStrategy": "tf_hetbatch.distribute.parameter_server",
+    "DeviceLayout": "tf_hetbatch.distribute.layout",
     "ReplicaTimes": "tf_hetbatch.core.measurements",
     "Staleness": "tf_hetbatch.core.measurements",
     "split_here": "tf_hetbatch.distribute.input_work",

@@ -113,7 +113,7 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
     @property
     def layout(self) -> DeviceLayout:
         """The cluster's `DeviceLayout`: every worker's replica devices, in worker order, and
-        the all-reduce they agreed on ("device" or "host")."""
+        the all-reduce they agreed on ("device" or "host", and its implementation)."""
         return device_layout.layout_of(self)
 
     @property
