@@ -27,6 +27,7 @@ Ratios are speed-ups against the even split of the same round.
 Usage:
     python examples/benchmarks/bench_hetero.py --out /tmp/tf_hetbatch_bench/hetero.json
     python examples/benchmarks/bench_hetero.py --steps 4     # tiny smoke run (no caps)
+    python examples/benchmarks/bench_hetero.py --layout 1,2 --caps 0.24,0.96  # 2 replicas on one
 """
 
 import os
@@ -172,7 +173,9 @@ def report(a, args, caps, result, when):
     s = {key: bc.stats([r[key] for r in rounds]) for key in keys}
     speed = {key: bc.stats([r["even_ms"] / r[key] for r in rounds]) for key in s}
     ideal = a["ideal_ms"]
-    lines = [f"bench_hetero, {when}: {len(caps)} workers, caps {caps} ({result['cap_method']}), "
+    hosted = f" hosting {args.layout} replicas" if args.layout else ""
+    lines = [f"bench_hetero, {when}: {len(caps)} workers{hosted}, caps {caps} "
+             f"({result['cap_method']}), "
              f"model {args.model} --filters {args.filters}, B={args.batch}, seed {args.seed}, "
              f"{len(rounds)} round(s) in one cluster run; median (min-max) over rounds; "
              f"speed-up = even step time / step time, same round.", ""]
@@ -202,8 +205,8 @@ def report(a, args, caps, result, when):
                       ["---", "---:", "---:", "---"])
     tm = a["time_model"]
     lines += ["", "Fitted busy-time models t_k = alpha_k + beta_k b_k (ms): " + "; ".join(
-        f"worker {j}: {tm['alpha_ms'][j]:.1f} + {tm['beta_ms_per_sample'][j]:.2f} b"
-        for j in range(len(caps))) + f"; remainder (step - max busy) {a['remainder_ms']:.1f} ms.",
+        f"replica {j}: {tm['alpha_ms'][j]:.1f} + {tm['beta_ms_per_sample'][j]:.2f} b"
+        for j in range(len(tm["alpha_ms"]))) + f"; remainder (step - max busy) {a['remainder_ms']:.1f} ms.",
               "", "Static grid (median step ms per round): " + "; ".join(
                   f"{'/'.join(map(str, g['sizes']))}: " + ",".join(f"{v:.0f}" for v in g["step_ms"])
                   for g in a["grid"])]
@@ -265,7 +268,7 @@ def plot(a, result, png, caps):
         pts = [(p["busy"]["samples_per_step"][j], p["busy"]["time_per_step"][j] * 1e3)
                for p in result["phases"] if p["kind"] == "static" and p.get("busy")]
         xs = np.array([q[0] for q in pts])
-        ax2.scatter(xs, [q[1] for q in pts], s=12, label=f"worker {j} (cap {caps[j]})")
+        ax2.scatter(xs, [q[1] for q in pts], s=12, label=f"replica {j} (cap {caps[j]:.3g})")
         grid = np.linspace(0, max(xs.max(), 1), 50)
         ax2.plot(grid, tm["alpha_ms"][j] + tm["beta_ms_per_sample"][j] * grid, lw=0.8)
     ax2.set(xlabel="samples per step b_k", ylabel="busy ms per step",
@@ -283,6 +286,9 @@ def main(argv=None):
                         help="interleaved rounds in the one cluster run (default 2; tiny 1)")
     parser.add_argument("--caps", default=None,
                         help="CPU cap per worker (default 0.8,0.2; tiny: none,none)")
+    parser.add_argument("--layout", default="",
+                        help="replicas (logical CPUs) per worker, e.g. 1,2: a worker hosting 2 "
+                             "replicas under its one cap (default: one each)")
     parser.add_argument("--model", default="cnn", choices=["cnn", "small_cnn", "linear"])
     parser.add_argument("--filters", type=int, default=None,
                         help="conv filters of --model cnn (default 32; tiny mode 4)")
@@ -305,13 +311,19 @@ def main(argv=None):
                      f"{args.h2h_blocks}")
     caps_text = args.caps or ("none,none" if tiny else "0.8,0.2")
     caps = [None if c.strip().lower() == "none" else float(c) for c in caps_text.split(",")]
-    nominal = [c if c is not None else 1.0 for c in caps]
+    counts = [int(c) for c in args.layout.split(",")] if args.layout else [1] * len(caps)
+    if len(counts) != len(caps):
+        parser.error(f"--layout names {len(counts)} workers and --caps {len(caps)}")
+    # Per replica: its worker's cap shared by the worker's replicas.
+    nominal = [(c if c is not None else 1.0) / n for c, n in zip(caps, counts) for _ in range(n)]
     json_path, png, workdir = bc.out_paths(args.out)
     # Tiny mode runs uncapped; its grid still uses a 4:1 shape so the grid has distinct splits.
-    shape = [0.8, 0.2] if tiny and None in caps and len(caps) == 2 else nominal
+    shape = [0.8, 0.2] if tiny and None in caps and len(nominal) == 2 else nominal
     plan, grid = make_plan(args, shape, tiny)
+    plan["layout"] = args.layout
     when = bc.now_utc()
-    print(f"bench_hetero: {len(caps)} workers, caps {caps_text}, grid {grid}", flush=True)
+    print(f"bench_hetero: {len(caps)} workers, caps {caps_text}"
+          f"{f', hosting {args.layout} replicas' if args.layout else ''}, grid {grid}", flush=True)
     started = time.time()
     result = bc.run_cluster(plan, caps, workdir, "hetero", args.timeout,
                             cap_after=None if tiny else args.cap_after)
@@ -321,7 +333,7 @@ def main(argv=None):
     plot(a, result, png, nominal)
     bc.write_json(json_path, {
         "benchmark": "bench_hetero", "date": when, "seed": args.seed, "tiny": tiny,
-        "caps": caps, "model": args.model, "filters": args.filters, "batch": args.batch,
+        "caps": caps, "layout": args.layout, "replica_shares": nominal, "model": args.model, "filters": args.filters, "batch": args.batch,
         "repeats": args.repeats, "cap_method": result["cap_method"], "data": result["data"],
         "step_ms": s, "speedup_vs_even": speed, "goals": goals, **a,
         "phases": [{k: v for k, v in p.items() if k not in ("stamps",)} for p in result["phases"]],

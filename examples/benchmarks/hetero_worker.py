@@ -129,9 +129,19 @@ class EpochTimer(keras.callbacks.Callback):
                   f"test accuracy {self.test_accuracy[-1]:.4f}{extra}", flush=True)
 
 
-def make_strategy():
+def make_strategy(layout=""):
+    """The plan's strategy; `layout` ("1,2"): worker i hosts that many logical CPUs as its
+    replicas (configured here, before TensorFlow's runtime starts)."""
     if "TF_CONFIG" in os.environ:
-        return hb.HeteroMultiWorkerMirroredStrategy()
+        devices = None
+        if layout:
+            count = [int(c) for c in layout.split(",")][
+                json.loads(os.environ["TF_CONFIG"])["task"]["index"]]
+            tf.config.set_logical_device_configuration(
+                tf.config.list_physical_devices("CPU")[0],
+                [tf.config.LogicalDeviceConfiguration()] * count)
+            devices = [f"/cpu:{i}" for i in range(count)]
+        return hb.HeteroMultiWorkerMirroredStrategy(devices)
     return hb.HeteroMirroredStrategy(["/cpu:0"])
 
 
@@ -311,7 +321,7 @@ def parse_plan_args(doc, argv=None):
 
 def main(argv=None):
     args, plan = parse_plan_args(__doc__, argv)
-    strategy = make_strategy()
+    strategy = make_strategy(plan.get("layout", ""))
     chief = strategy.is_chief
     started = time.time() - plan["t0"]
     if plan.get("task", "phases") == "phases":
