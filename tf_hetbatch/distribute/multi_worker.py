@@ -131,7 +131,8 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
                 return value
             return super().reduce(reduce_op, value, None)
         if axis is None and keras_callers.is_data_batch_reduce(self, reduce_op, value):
-            return tf.nest.map_structure(lambda v: keras_callers.largest_local_batch(self, v), value)
+            return tf.nest.map_structure(
+                lambda v: keras_callers.largest_local_batch(self, v), value)
         return super().reduce(reduce_op, value, axis)
 
 
