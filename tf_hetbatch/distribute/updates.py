@@ -38,17 +38,13 @@ def adapt_optimizer(optimizer) -> None:
         if step is None:
             return original_apply(grads, trainable_variables)
         grads = _weighted_average_loss_gradients(step, list(grads))
-        if step.timing is not None and not step.gradients_applied:
-            grads = _timed_gradients(step, grads)  # the replica's own work ends here
         step.gradients_applied = True
-        if step.carry_logs and step.held is None:
-            step.held = (grads, lambda summed: _apply_summed(
-                optimizer, original_apply, summed, trainable_variables))
-            return None  # applied by finish_step, after the step's one all-reduce
-        summed = _sum_present(grads)
-        if step.timing is not None:
-            summed = step.timing.record_release(summed)
-        return _apply_summed(optimizer, original_apply, summed, trainable_variables)
+        if step.capture is not None:  # a micro-batch: summed with the others, then applied
+            step.capture.append(weighting.CapturedApply(
+                optimizer, original_apply, grads, trainable_variables))
+            return None
+        return _apply_replica_gradients(step, optimizer, original_apply, grads,
+                                        trainable_variables)
 
     def on_reduced(grads_and_vars):
         step = current_step()
@@ -60,6 +56,29 @@ def adapt_optimizer(optimizer) -> None:
     apply.__doc__ = original_apply.__doc__
     optimizer.apply = apply
     optimizer._tf_hetbatch_adapted = True
+
+
+def apply_captured(step: ReplicaStep, captured, grads) -> None:
+    """Replica context: applies the sum of a replica's micro-batches' gradients as its one
+    `apply` of the step (`micro_batches`)."""
+    _apply_replica_gradients(step, captured.optimizer, captured.original_apply, grads,
+                             captured.trainable_variables)
+
+
+def _apply_replica_gradients(step, optimizer, original_apply, grads, trainable_variables):
+    """The replica's weighted gradients of a step: timed, then held for the step's one
+    all-reduce (Keras's own train step) or summed across replicas and applied."""
+    if step.timing is not None and not step.timed:
+        grads = _timed_gradients(step, grads)  # the replica's own work ends here
+        step.timed = True
+    if step.carry_logs and step.held is None:
+        step.held = (grads, lambda summed: _apply_summed(
+            optimizer, original_apply, summed, trainable_variables))
+        return None  # applied by finish_step, after the step's one all-reduce
+    summed = _sum_present(grads)
+    if step.timing is not None:
+        summed = step.timing.record_release(summed)
+    return _apply_summed(optimizer, original_apply, summed, trainable_variables)
 
 
 def _weighted_average_loss_gradients(step, grads):
