@@ -118,12 +118,10 @@ class Allocation:
                 )
                 self.produced = variable(tf.constant(0, tf.int64), "hetbatch_batches_produced")
                 self.last_key = variable(tf.constant(-1, tf.int64), "hetbatch_last_key")
-                # Row key % TOTALS: (samples, summed sample weight, then the K replicas'
-                # sizes) of the global batch keyed for that training step, so each step's
-                # weights (and micro-batch counts) need no collective.
+                # Row key % TOTALS: (samples, summed sample weight) of the global batch keyed
+                # for that training step, so each step's weights need no collective.
                 self.totals = variable(
-                    tf.zeros([self.TOTALS, 2 + num_replicas], tf.float32),
-                    "hetbatch_step_totals"
+                    tf.zeros([self.TOTALS, 2], tf.float32), "hetbatch_step_totals"
                 )
                 # Row key % TOTALS: a fingerprint of that step's global batch; `fingerprint`
                 # sums those of the steps trained, so workers can check that they trained the
@@ -162,11 +160,6 @@ class Allocation:
         """In-graph, several workers: (samples, summed sample weight) of the global batch
         trained at the current step (read it after the step's inputs are there)."""
         return self.totals.read_value()[self.trained.read_value() % self.TOTALS]
-
-    def step_sizes(self):
-        """In-graph, several workers: the per-replica sizes (int64 [K]) of the global batch
-        trained at the current step (read it after the step's inputs are there)."""
-        return tf.cast(self.step_totals()[2:], tf.int64)
 
     def count_trained_step(self):
         """In the train step (cross-replica context): one more step trained, skip cleared
@@ -211,7 +204,6 @@ class Allocation:
                 if self.keyed_by_step:
                     key = base + position
                     bounds = self._bounds_for_key(key)
-                    sizes = split_sizes(n, bounds, num_replicas)
                     # The newest key produced by the most recent iterator (a validation pass
                     # numbers its batches from the same step as the next epoch, but is over
                     # by then); the count tells whether any batch was produced yet.
@@ -222,9 +214,7 @@ class Allocation:
                         ),
                         self.produced.assign_add(1),
                         self.totals.scatter_nd_update(
-                            [[key % self.TOTALS]], [tf.concat([
-                                _step_amounts(element, n, weights_in_raw),
-                                tf.cast(sizes, tf.float32)], 0)]
+                            [[key % self.TOTALS]], [_step_amounts(element, n, weights_in_raw)]
                         ),
                         self.fingerprints.scatter_nd_update(
                             [[key % self.TOTALS]], [batch_fingerprint(element)]
@@ -232,7 +222,6 @@ class Allocation:
                     ]
                 else:
                     bounds = self.bounds.read_value()
-                    sizes = split_sizes(n, bounds, num_replicas)
                 total = bounds[-1]
                 too_large = _assert(
                     tf.logical_or(n <= total, tf.equal(total, 0)),
@@ -252,6 +241,7 @@ class Allocation:
                 )
                 with tf.control_dependencies([too_large, after_short]):
                     deps.append(self.short_seen.assign(n < total))
+                sizes = split_sizes(n, bounds, num_replicas)
                 with tf.control_dependencies(deps):
                     return emit(element, tf.identity(sizes))
 

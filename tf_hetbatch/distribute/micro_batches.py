@@ -26,16 +26,21 @@ of at most m_k samples, one after the other, within the same training step:
 
 The count follows each step's ACTUAL batch: the bound is read from a host variable in the step
 (no retrace when it changes) and the share from the batch's shape (splits switch with a lag).
-Counts may differ per replica, except where the step runs collectives of its own
-(SyncBatchNormalization's all-reduces): every replica then runs the step's largest count
-(micro-batches left empty where a replica has fewer), taken on one host from the local
-replicas' batches and across workers from the input pipeline's record of the step's split
-(`input_split.Allocation`, no collective before the step's compute). Its statistics are then
-those of the j-th micro-batches of all replicas together.
+Counts differ per replica: each replica's loop is its own, and the step's one all-reduce
+comes after it.
+
+What differs from one device on the global batch, and where: layers whose forward pass
+depends on the batch (BatchNormalization in training) see each micro-batch as a batch of its
+own, as in any gradient accumulation: their statistics are per micro-batch, so such a model is
+not exactly one device's (plain BatchNormalization is not exact across replicas either). A
+model with SyncBatchNormalization is refused while any replica computes micro-batches: its
+statistics all-reduce in every forward pass would need the same micro-batch count on every
+replica. Everything else is exact: the update equals one device's, and the logs are the true
+global means.
 
 Refused when traced (naming why): a step that applies gradients more than once (a GAN-style
-step whose second update reads the first's cannot be accumulated), and
-`tf.nn.scale_regularization_loss` (its regularization would count once per micro-batch).
+step whose second update reads the first's cannot be accumulated), SyncBatchNormalization,
+and `tf.nn.scale_regularization_loss` (its regularization would count once per micro-batch).
 """
 
 import dataclasses
@@ -46,7 +51,6 @@ import tensorflow as tf
 from tf_hetbatch.core import micro_batches as _core
 from tf_hetbatch.distribute import updates
 from tf_hetbatch.distribute import weighting
-from tf_hetbatch.distribute._upstream import collectives
 
 _FIXED, _SUM, _LAST = "fixed", "sum", "last"
 
@@ -100,47 +104,30 @@ class StepPlan:
 
     limits: tf.Tensor             # int64 [K], 0: no bound
     sliced: List[bool]            # per leaf of (args, kwargs): a per-replica batch (sliced)
-    common_count: Optional[tf.Tensor]  # the step's largest count (collectives in the step)
     shares_of: Optional[Callable] = None  # replica context: a micro-batch's data -> shares
     data_of: Optional[Callable] = None    # (args) -> the step's data
 
 
-def plan_step(strategy, args, kwargs, data, collectives_in_step: bool,
-              local_sizes: Callable[[Any], List[tf.Tensor]]) -> StepPlan:
-    """Cross-replica context: reads the bounds once, marks the per-replica leaves of the
-    step's arguments, and (`collectives_in_step`) the step's largest count over ALL replicas.
+def plan_step(strategy, args, kwargs, sync_batch_norm: bool) -> StepPlan:
+    """Cross-replica context: reads the bounds once and marks the per-replica leaves of the
+    step's arguments.
 
     Raises:
-        ValueError: collectives in the step under cross-device ops that cannot run them
-            inside the micro-batch loop.
+        ValueError: a model with SyncBatchNormalization (see the module docs).
     """
+    if sync_batch_norm:
+        raise ValueError(
+            "A model with SyncBatchNormalization cannot compute a replica's share in "
+            "micro-batches (`set_micro_batch_limits`): its statistics are all-reduced across "
+            "replicas in every forward pass, and replicas with different micro-batch counts "
+            "would not meet in those all-reduces. Received: micro_batch_limits="
+            f"{strategy.micro_batch_limits}. Fix: give the replicas shares within their "
+            "bounds (DynamicBatching(max_sizes=...)), use plain BatchNormalization, or lift "
+            "the bounds (strategy.set_micro_batch_limits(None)).")
     limits = strategy._micro_batches.variable.read_value()
     leaves = tf.nest.flatten((tuple(args), dict(kwargs or {})))
     sliced = [isinstance(v, tf.distribute.DistributedValues) for v in leaves]
-    common = None
-    if collectives_in_step:
-        if not collectives.runs_collectives_without_merge_call(strategy):
-            raise ValueError(
-                "A model with SyncBatchNormalization computes micro-batches (a replica has a "
-                "memory bound, `set_micro_batch_limits`) only where its all-reduces can run "
-                "inside the micro-batch loop: TensorFlow's collective all-reduce (CPUs, and "
-                "HeteroMultiWorkerMirroredStrategy). Received: cross-device ops "
-                f"{type(getattr(strategy.extended, '_cross_device_ops', None)).__name__}. "
-                "Fix: use HeteroMultiWorkerMirroredStrategy, plain BatchNormalization, or "
-                "strategy.set_micro_batch_limits(None).")
-        allocation = strategy._allocation
-        if allocation.keyed_by_step:  # every worker's pipeline recorded the step's split
-            with tf.control_dependencies(_local_inputs(strategy, data)):
-                sizes = allocation.step_sizes()
-        else:
-            sizes = tf.stack(local_sizes(data))
-        common = tf.reduce_max(_counts(sizes, limits))
-    return StepPlan(limits, sliced, common)
-
-
-def _local_inputs(strategy, data):
-    return [t for local in strategy.experimental_local_results(data)
-            for t in tf.nest.flatten(local) if isinstance(t, tf.Tensor)]
+    return StepPlan(limits, sliced)
 
 
 def _counts(sizes, limits):
@@ -171,9 +158,7 @@ def run(step: weighting.ReplicaStep, fn, args, kwargs, plan: StepPlan):
         return _call(step, fn, structure, plan)[0]  # nothing per replica to cut
     samples = _batch_size(leaves[batched[0]])
     replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-    count = plan.common_count
-    if count is None:
-        count = _counts(samples, tf.gather(plan.limits, replica))
+    count = _counts(samples, tf.gather(plan.limits, replica))
     step.micro_batched, step.micro_batch_count = True, count
 
     def part(j):
@@ -210,11 +195,7 @@ def run(step: weighting.ReplicaStep, fn, args, kwargs, plan: StepPlan):
 
     initial = [flat[i] for i, kind in enumerate(kinds) if kind != _FIXED]
     loop_vars = [tf.constant(1, tf.int64), [_dense(grads0[i]) for i in present], initial]
-    if plan.common_count is None:
-        _, acc, outs = tf.while_loop(cond, body, loop_vars, parallel_iterations=1)
-    else:  # the step's collectives run in every replica's loop: the same count everywhere
-        _, acc, outs = collectives.replica_while_loop_with_collectives(
-            tf.distribute.get_strategy(), cond, body, loop_vars, parallel_iterations=1)
+    _, acc, outs = tf.while_loop(cond, body, loop_vars, parallel_iterations=1)
     outs = iter(outs)
     combined = [t if kind == _FIXED else next(outs) for t, kind in zip(flat, kinds)]
     for old, new in zip(flat, combined):

@@ -59,9 +59,7 @@ class StepRunner:
         plan = None
         if distributed and strategy._micro_batches.in_use and (
                 training_step or (kind is None and optimizers)):
-            plan = micro_batches.plan_step(
-                strategy, args, kwargs, data, sync_batch_norm,
-                lambda d: [amounts(r)[0] for r in strategy.experimental_local_results(d)])
+            plan = micro_batches.plan_step(strategy, args, kwargs, sync_batch_norm)
 
         def replica_fn(*replica_args, **replica_kwargs):
             replica_args, start_time, samples = _start_stamp(replica_args, check_nonempty)

@@ -10,7 +10,6 @@ import contextlib
 import hashlib
 import itertools
 import logging
-import threading
 import weakref
 
 import tensorflow as tf
@@ -162,57 +161,3 @@ def _adapted_launcher_state(launcher):
     launcher._tf_hetbatch_keys = state
     launcher._next_instance_key = next_instance_key
     return state
-
-
-# --- All-reduces inside a replica's micro-batch loop (tensorflow: merge_call, loop frames) ------
-# A step with collectives of its own (SyncBatchNormalization's all-reduces) computed in
-# micro-batches runs them inside each replica's `tf.while_loop` (`micro_batches`). Two things
-# stop that in TensorFlow 2.21:
-# 1. Under MirroredStrategy and MultiWorkerMirroredStrategy (but for XLA on GPUs) a replica's
-#    `all_reduce` goes through `merge_call`, which raises inside a control-flow body
-#    ("merge_call called while defining a new graph"). The strategies' extended has the other
-#    path, the one TensorFlow takes for XLA on GPUs (`_use_merge_call()` False): each replica
-#    launches its collective itself (`_replica_ctx_all_reduce` ->
-#    `CollectiveAllReduce._all_reduce`). While a replica thread traces its loop,
-#    `_use_merge_call` (adapted on the one extended instance) says False for that thread.
-#    Only collective cross-device ops have that path (`runs_collectives_without_merge_call`).
-# 2. A lowered while loop (Switch/Merge frames, TensorFlow's default in functions) keys each
-#    collective's execution by its loop frame and iteration: the replicas' loops are
-#    different loops, so their all-reduces never meet (a hang). Unlowered
-#    (`_lower_using_switch_merge` False on the While op), each iteration runs the body as a
-#    function of its own and the replicas' i-th collectives meet.
-# Canary: test_upstream_collectives.test_all_reduces_in_replica_loops_need_unlowered_loops.
-_NO_MERGE_CALL = threading.local()
-
-
-def runs_collectives_without_merge_call(strategy) -> bool:
-    """Whether `strategy`'s replicas can all-reduce without `merge_call` (collective ops)."""
-    return hasattr(getattr(strategy.extended, "_cross_device_ops", None), "_all_reduce")
-
-
-def replica_while_loop_with_collectives(strategy, cond, body, loop_vars, **kwargs):
-    """Replica context: `tf.while_loop(cond, body, loop_vars, **kwargs)` whose body may
-    all-reduce across replicas (each replica runs such a loop, with the same trip count)."""
-    extended = strategy.extended
-    if getattr(extended, "_tf_hetbatch_use_merge_call", None) is None:
-        original = extended._use_merge_call
-
-        def use_merge_call():
-            return False if getattr(_NO_MERGE_CALL, "depth", 0) else original()
-
-        extended._tf_hetbatch_use_merge_call = original
-        extended._use_merge_call = use_merge_call
-    graph = tf.compat.v1.get_default_graph()
-    before = len(graph.get_operations())
-    depth = getattr(_NO_MERGE_CALL, "depth", 0)
-    _NO_MERGE_CALL.depth = depth + 1
-    try:
-        outputs = tf.while_loop(cond, body, loop_vars, **kwargs)
-    finally:
-        _NO_MERGE_CALL.depth = depth
-    loops = [op for op in graph.get_operations()[before:]
-             if op.type in ("While", "StatelessWhile")]
-    from tensorflow.core.framework import attr_value_pb2
-
-    loops[-1]._set_attr("_lower_using_switch_merge", attr_value_pb2.AttrValue(b=False))
-    return outputs

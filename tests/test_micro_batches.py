@@ -1,0 +1,121 @@
+"""Memory-bounded replicas: a share above the bound is computed in micro-batches within the
+step, and the update, the logs and the split's bookkeeping stay one device's."""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_hetbatch as hb
+from helpers import BatchLogs, ShapeRecorder, Sink, max_weight_diff, regression_data
+
+TOL = 1e-5
+BOUND = 6
+SPLIT = [8, 3 * BOUND, 6]  # replica 1: a share of 3 bounds
+
+
+def bounded_model(sink=None, seed=1, steps_per_execution=1):
+    """Dense, Adam, an L2 regulariser (added once per step, whatever the micro-batches)."""
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((8,))]
+    if sink is not None:
+        layers.append(ShapeRecorder(sink))
+    layers += [keras.layers.Dense(16, activation="tanh",
+                                  kernel_regularizer=keras.regularizers.L2(1e-2)),
+               keras.layers.Dense(1)]
+    model = keras.Sequential(layers)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"],
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
+def _reference(x, y, epochs=1, callbacks=()):
+    ref = bounded_model()
+    logs = BatchLogs()
+    hist = ref.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0,
+                   callbacks=[logs, *callbacks])
+    return ref, logs, hist
+
+
+def _sizes_per_step(sink, num_replicas):
+    """Per replica: the micro-batch sizes it computed, in order."""
+    seen = collections.defaultdict(list)
+    for replica, n in sink.items:
+        seen[replica].append(n)
+    return seen
+
+
+def micro_batch_sizes(share, bound):
+    """The sizes of a share's micro-batches: ceil(share / bound) near-equal parts."""
+    count = max(-(-share // bound), 1) if bound else 1
+    return [((j + 1) * share + count - 1) // count - (j * share + count - 1) // count
+            for j in range(count)]
+
+
+class SwitchAtBatch(keras.callbacks.Callback):
+    def __init__(self, strategy, at, sizes):
+        super().__init__()
+        self.strategy, self.at, self.sizes, self.done = strategy, at, sizes, False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.done and batch >= self.at:
+            self.strategy.set_batch_sizes(self.sizes)
+            self.done = True
+
+
+@pytest.mark.parametrize("spe", [1, 3])
+def test_bounded_replica_matches_one_device(cpus, spe):
+    x, y = regression_data(n=320)  # 10 steps of 32
+    ref, ref_logs, ref_hist = _reference(x, y)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes(SPLIT)
+    strategy.set_micro_batch_limits([None, BOUND, None])
+    assert strategy.micro_batch_limits == (None, BOUND, None)
+    sink = Sink()
+    with strategy.scope():
+        ours = bounded_model(sink, steps_per_execution=spe)
+    logs = BatchLogs()
+    hist = ours.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[logs])
+    assert strategy.steps_trained == 10
+    assert max_weight_diff(ref, ours) <= TOL
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    expected = ref_logs.batches[spe - 1::spe] if spe > 1 else ref_logs.batches
+    for mine, theirs in zip(logs.batches, expected):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert mine["mae"] == pytest.approx(theirs["mae"], rel=1e-5)
+    seen = _sizes_per_step(sink, 3)
+    assert seen[1] == [BOUND] * 30  # 3 micro-batches of the bound in each of 10 steps
+    assert seen[0] == [8] * 10 and seen[2] == [6] * 10
+
+
+@pytest.mark.parametrize("spe", [1, 4])
+def test_micro_batch_count_follows_the_share_across_a_switch(cpus, spe):
+    # Replicas 0 and 1 bounded; the split switches mid-epoch (the new one reaches the replicas
+    # a few steps later, with the pipeline's lag): each step's count is ceil(share / bound) of
+    # the share it actually got, and the run stays one device's, over 2 epochs.
+    x, y = regression_data(n=320)
+    ref, ref_logs, ref_hist = _reference(x, y, epochs=2)
+    limits, before, after = [7, BOUND, None], SPLIT, [20, 4, 8]
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes(before)
+    strategy.set_micro_batch_limits(limits)
+    sink = Sink()
+    with strategy.scope():
+        ours = bounded_model(sink, steps_per_execution=spe)
+    switch = SwitchAtBatch(strategy, 2, after)
+    hist = ours.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[switch])
+    assert switch.done and strategy.steps_trained == 20
+    assert max_weight_diff(ref, ours) <= TOL
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    seen = _sizes_per_step(sink, 3)
+    old = [micro_batch_sizes(b, m) for b, m in zip(before, limits)]
+    new = [micro_batch_sizes(b, m) for b, m in zip(after, limits)]
+    assert old[0] == [4, 4] and old[1] == [6, 6, 6] and new[0] == [7, 7, 6] and new[1] == [4]
+    switched = [k for k in range(1, 20)
+                if seen[2] == [before[2]] * k + [after[2]] * (20 - k)]
+    assert len(switched) == 1, seen[2]  # the step the new split arrived at
+    k = switched[0]
+    for replica in (0, 1):
+        assert seen[replica] == old[replica] * k + new[replica] * (20 - k), replica
