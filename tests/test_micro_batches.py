@@ -119,3 +119,62 @@ def test_micro_batch_count_follows_the_share_across_a_switch(cpus, spe):
     k = switched[0]
     for replica in (0, 1):
         assert seen[replica] == old[replica] * k + new[replica] * (20 - k), replica
+
+
+class OutOfMemoryAbove(keras.layers.Layer):
+    """Identity layer whose replica `replica` runs out of memory (a real allocation beyond the
+    machine's memory: TensorFlow's ResourceExhaustedError, where a full GPU reports it) on a
+    batch of more than `size` samples in training."""
+
+    def __init__(self, replica, size, **kwargs):
+        super().__init__(**kwargs)
+        self.replica, self.size = replica, size
+
+    def call(self, inputs, training=None):
+        ctx = tf.distribute.get_replica_context()
+        if not training or ctx is None:
+            return inputs
+        too_big = tf.logical_and(tf.equal(ctx.replica_id_in_sync_group, self.replica),
+                                 tf.shape(inputs)[0] > self.size)
+        length = tf.where(too_big, tf.constant(2**40, tf.int64), tf.constant(1, tf.int64))
+        waste = tf.zeros(tf.reshape(length, [1]), inputs.dtype)  # 4 TiB when too big
+        return inputs + 0.0 * waste[0]
+
+
+def failing_model(replica, size, seed=1):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([
+        keras.Input((8,)), OutOfMemoryAbove(replica, size),
+        keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2)),
+        keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    return model
+
+
+@pytest.mark.parametrize("limits,lowered,lines", [
+    ([None, 12, None], (None, 4, None), 1),  # 2 micro-batches of 9 fail: bound 4 (5 of <= 4)
+    ([None, None, None], (None, 4, None), 2),  # 18 fails, then 9: bound 4
+])
+def test_out_of_memory_step_runs_again_with_a_lower_bound(cpus, caplog, limits, lowered, lines):
+    x, y = regression_data(n=320)
+    ref, ref_logs, ref_hist = _reference(x, y)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes(SPLIT)
+    strategy.set_micro_batch_limits(limits)
+    with strategy.scope():
+        ours = failing_model(replica=1, size=5)
+    logs = BatchLogs()
+    with caplog.at_level("WARNING", logger="tf_hetbatch.distribute.out_of_memory"):
+        hist = ours.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+                        callbacks=[logs])
+    said = [r.getMessage() for r in caplog.records if "ran out of memory" in r.getMessage()]
+    assert len(said) == lines, said
+    assert said[-1].startswith("Replica 1 ") and "bound is now 4 samples" in said[-1]
+    assert strategy.micro_batch_limits == lowered
+    assert strategy.steps_trained == 10 and int(ours.optimizer.iterations.numpy()) == 10
+    assert max_weight_diff(ref, ours) <= TOL
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    for mine, theirs in zip(logs.batches, ref_logs.batches):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert mine["mae"] == pytest.approx(theirs["mae"], rel=1e-5)
+

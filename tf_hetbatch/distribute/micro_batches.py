@@ -49,8 +49,10 @@ from typing import Any, Callable, List, Optional, Sequence
 import tensorflow as tf
 
 from tf_hetbatch.core import micro_batches as _core
+from tf_hetbatch.distribute import out_of_memory
 from tf_hetbatch.distribute import updates
 from tf_hetbatch.distribute import weighting
+from tf_hetbatch.distribute._upstream import keras_trainer
 
 _FIXED, _SUM, _LAST = "fixed", "sum", "last"
 
@@ -89,6 +91,12 @@ class Limits:
         values = _core.check_limits(limits, self.num_replicas)
         self._values = values
         self.variable.assign(_core.limits_array(values))
+
+    def guard_steps(self, strategy, model) -> None:
+        """With limits set, `model`'s Keras training steps survive running out of memory
+        (`out_of_memory`); a no-op without limits."""
+        if self.in_use and model is not None:
+            keras_trainer.guard_train_step(model, out_of_memory.StepGuard(strategy, model))
 
     def lower(self, replica: int, limit: int) -> None:
         """Lowers one replica's bound (after a step ran out of memory)."""

@@ -303,6 +303,7 @@ class HeteroMixin:
         model = keras_callers.keras_model_distributing_data()
         if model is not None:
             keras_trainer.inline_multi_step(model)  # steps_per_execution > 1 (keras#19246)
+            self._micro_batches.guard_steps(self, model)  # a step out of memory runs again
         self._check_dataset(dataset, evaluation)
         mode = getattr(options, "experimental_replication_mode", None)
         if mode == tf.distribute.InputReplicationMode.PER_REPLICA:
