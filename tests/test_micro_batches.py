@@ -178,3 +178,54 @@ def test_out_of_memory_step_runs_again_with_a_lower_bound(cpus, caplog, limits, 
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
         assert mine["mae"] == pytest.approx(theirs["mae"], rel=1e-5)
 
+
+def test_dynamic_batching_balances_bounded_replicas_exactly(cpus):
+    # Every replica bounded at 16 samples: the balanced split (48, 24, 12) for costs 1:2:4
+    # is reached all the same (replica 0 in 3 micro-batches, replica 1 in 2), and the run
+    # equals one device's on the same global batches.
+    from test_callback import BALANCED, GLOBAL_BATCH, cost_dataset, cost_model, imbalance
+
+    steps = 75
+    ref = cost_model()
+    ref.fit(cost_dataset(), steps_per_epoch=steps, epochs=1, shuffle=False, verbose=0)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_micro_batch_limits([16, 16, 16])
+    with strategy.scope():
+        model = cost_model()
+    callback = hb.DynamicBatching(controller=hb.ModelBasedController(step_time_search=False))
+    model.fit(cost_dataset(), steps_per_epoch=steps, epochs=1, shuffle=False, verbose=0,
+              callbacks=[callback])
+    sizes = callback.batch_sizes
+    assert sum(sizes) == GLOBAL_BATCH and strategy.batch_sizes == sizes
+    assert sizes[0] > 2 * 16 and sizes[0] > sizes[1] > sizes[2], callback.history
+    assert np.max(np.abs(np.subtract(sizes, BALANCED))) <= 4, callback.history
+    rebalanced = [w for w in callback.windows[1:]
+                  if all(v == int(v) for v in w["samples_per_step"])]
+    assert imbalance(callback.windows[0]) > 2.5
+    assert imbalance(rebalanced[-1]) < 1.3, callback.windows
+    assert strategy.micro_batch_limits == (16, 16, 16)
+    assert max_weight_diff(ref, model) <= TOL
+
+
+# --------------------------------------------------------------------- two workers ------------
+@pytest.mark.cluster
+def test_two_workers_bounded_replica_exact_with_a_switch(tmp_path):
+    # Worker 1's replica is bounded at 9 with a share of 27 (3 micro-batches); the switch to
+    # [20, 12] lands at the same step on both workers, from which it computes 2 of 6.
+    from test_multi_worker import assert_every_worker_equals, mw_train, run_cluster
+
+    from tf_hetbatch.distribute.multi_worker import DEFAULT_SWITCH_MARGIN
+
+    outputs = run_cluster(tmp_path, 2, "--sizes", "5,27", "--switch-step", "4",
+                          "--switch-sizes", "20,12", "--micro-batch-limits", "0,9")
+    x, y = mw_train.data(320)
+    ref = mw_train.build()
+    ref_hist = ref.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=2,
+                       verbose=0)
+    assert_every_worker_equals(ref.get_weights(), outputs)
+    switch = 4 + DEFAULT_SWITCH_MARGIN
+    assert outputs[0][1]["calls"] == [5] * switch + [20] * (20 - switch)
+    assert outputs[1][1]["calls"] == [9, 9, 9] * switch + [6, 6] * (20 - switch)
+    for _, info in outputs:
+        np.testing.assert_allclose(info["history"]["loss"], ref_hist.history["loss"],
+                                   rtol=1e-5)
