@@ -229,3 +229,27 @@ def test_two_workers_bounded_replica_exact_with_a_switch(tmp_path):
     for _, info in outputs:
         np.testing.assert_allclose(info["history"]["loss"], ref_hist.history["loss"],
                                    rtol=1e-5)
+
+
+@pytest.mark.cluster
+def test_two_workers_resume_keeps_micro_batches_following_the_restored_share(tmp_path):
+    # Attempt 0 sets the split [5, 27] (worker 1 bounded at 9: 3 micro-batches a step); its
+    # worker 1 dies after step 7. The relaunch does not set a split: the one restored from the
+    # checkpoint of step 4 gives worker 1 its 27 samples again, in 3 micro-batches, and the
+    # run ends equal to one device's.
+    from test_recovery import (TOTAL_STEPS, attempt_of, max_diff, outputs_of,
+                               reference_weights, run_cluster, weights_of)
+
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    result, log = run_cluster(out, ckpt, 2, "--every", "4", "--sizes", "5,27",
+                              "--micro-batch-limits", "0,9", "--die-worker", "1",
+                              "--die-attempt", "0", "--die-step", "7", max_restarts=1)
+    assert result.ok, result.message + "\n" + log[-4000:]
+    assert result.attempts == 2
+    ref = reference_weights()
+    for worker, (weights, info) in enumerate(outputs_of(out, 2)):
+        assert info["restored"]["step"] == 4 and info["restored_sizes"] == [5, 27]
+        resumed, _ = attempt_of(out, worker, 1)
+        steps = TOTAL_STEPS - 4
+        assert resumed["calls"] == ([5] if worker == 0 else [9, 9, 9]) * steps
+        assert max_diff(weights_of(weights, len(ref)), ref) <= 1e-5
