@@ -209,11 +209,13 @@ def _make_function_inlined(self, step_function):
 # `guard(run_step)`, which may call `run_step()` again with the same batch. Canary:
 # `test_upstream_keras_trainer.test_keras_one_step_function_takes_its_batch_inside`.
 def guard_train_step(model, guard) -> bool:
-    """Runs `model`'s training steps (steps_per_execution == 1, no jit_compile) through
-    `guard(run_step)`; returns whether it could (idempotent: the latest `guard` is used)."""
+    """Runs `model`'s training steps (steps_per_execution == 1, no jit_compile, Keras's own
+    `_make_function` of `KNOWN_MAKE_FUNCTION_DIGESTS`) through `guard(run_step)`; returns
+    whether it could (idempotent: the latest `guard` is used)."""
     spe = int(getattr(model, "steps_per_execution", 1) or 1)
-    if spe != 1 or getattr(model, "jit_compile", False) or not hasattr(model, "_make_function"):
-        return False
+    if spe != 1 or getattr(model, "jit_compile", False) or source_digest(getattr(
+            type(model), "_make_function", None)) not in KNOWN_MAKE_FUNCTION_DIGESTS:
+        return False  # another Keras's loop, or the model's own: left as it is
     model._tf_hetbatch_step_guard = guard
     if getattr(model, "_tf_hetbatch_guarded_steps", False):
         return True
