@@ -207,6 +207,72 @@ def test_dynamic_batching_balances_bounded_replicas_exactly(cpus):
     assert max_weight_diff(ref, model) <= TOL
 
 
+# --------------------------------------------------------------------- rules and errors -------
+def test_micro_batch_counts_and_sizes_cover_the_share_within_the_bound():
+    from tf_hetbatch.core import micro_batches as core
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        share, bound = int(rng.integers(0, 300)), int(rng.integers(1, 64))
+        count = core.micro_batch_counts([share], [bound])[0]
+        assert count == max(-(-share // bound), 1)
+        sizes = micro_batch_sizes(share, bound)
+        assert len(sizes) == count and sum(sizes) == share and max(sizes) <= bound
+        assert max(sizes) - min(sizes) <= 1
+    assert core.micro_batch_counts([10, 96, 97, 0], [None, 48, 48, 48]).tolist() == [
+        1, 2, 3, 1]
+    assert core.micro_batch_counts([10, 20], None).tolist() == [1, 1]
+    assert core.lowered_limit(9) == 4 and core.lowered_limit(2) == 1
+    assert core.lowered_limit(1) is None
+
+
+@pytest.mark.parametrize("limits,match", [
+    ([4, 4], r"one entry per replica \(3\).*limits=\[4, 4\]"),
+    ([4, 0, None], r"ints >= 1 or None, found 0 at index 1"),
+    ([4, 2.5, None], r"found 2.5 at index 1"),
+    ([True, 4, None], r"found True at index 0"),
+    ("abc", r"one entry per replica"),
+])
+def test_bad_limits_are_refused_naming_the_value_and_the_fix(cpus, limits, match):
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    with pytest.raises(ValueError, match=match) as error:
+        strategy.set_micro_batch_limits(limits)
+    assert "Fix: pass one entry per replica (3)" in str(error.value)
+    assert strategy.micro_batch_limits is None
+    strategy.set_micro_batch_limits([4.0, None, 2])
+    assert strategy.micro_batch_limits == (4, None, 2)
+    strategy.set_micro_batch_limits(None)
+    assert strategy.micro_batch_limits is None
+
+
+def test_sync_batch_normalization_is_refused_under_bounds(cpus):
+    from helpers import conv_syncbn_model, image_data
+
+    x, y = image_data(n=64)
+    strategy = hb.HeteroMirroredStrategy(cpus[:2])
+    strategy.set_micro_batch_limits([8, None])
+    with strategy.scope():
+        model = conv_syncbn_model()
+    with pytest.raises(ValueError, match=r"SyncBatchNormalization.*micro_batch_limits="
+                       r"\(8, None\).*Fix:"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
+def test_the_replica_of_an_out_of_memory_error_is_read_from_its_device(cpus):
+    from tf_hetbatch.distribute import out_of_memory
+
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    message = ("OOM when allocating tensor with shape[1099511627776] and type float on "
+               "/job:localhost/replica:0/task:0/device:CPU:{} by allocator mklcpu")
+    for replica in range(3):
+        error = tf.errors.ResourceExhaustedError(None, None, message.format(replica))
+        assert out_of_memory.replica_of_error(strategy, error) == replica
+    other = tf.errors.ResourceExhaustedError(None, None, "out of memory somewhere")
+    assert out_of_memory.replica_of_error(strategy, other) is None
+    assert out_of_memory.micro_batch_size(18, 12) == 9
+    assert out_of_memory.micro_batch_size(18, None) == 18
+
+
 # --------------------------------------------------------------------- two workers ------------
 @pytest.mark.cluster
 def test_two_workers_bounded_replica_exact_with_a_switch(tmp_path):
@@ -253,3 +319,4 @@ def test_two_workers_resume_keeps_micro_batches_following_the_restored_share(tmp
         steps = TOTAL_STEPS - 4
         assert resumed["calls"] == ([5] if worker == 0 else [9, 9, 9]) * steps
         assert max_diff(weights_of(weights, len(ref)), ref) <= 1e-5
+

@@ -3,8 +3,14 @@
 A replica's bound m_k (an int >= 1, or None: unbounded) caps the samples it computes at once,
 not its share of the global batch: a share b_k > m_k is computed in ceil(b_k / m_k)
 micro-batches within the same training step (`tf_hetbatch.distribute.micro_batches`), each
-of at most m_k samples. The controllers balance on throughput and see each replica's count
-of micro-batches as part of its time (`time_models`). No TensorFlow import here.
+of at most m_k samples. No TensorFlow import here.
+
+The controllers balance on measured time, not on the bound, and need no term of their own
+for the micro-batches: a fixed cost c per micro-batch adds c * ceil(b / m) to a replica's
+step, and ceil(b / m) = b / m + r with 0 <= r < 1, so it is the slope c / m per sample and
+about c / 2 of intercept of the affine time model t = alpha + beta * b (`time_models`), fitted
+from times that include it. The equal-finish split prices it in, up to the rounding of the
+count (at most c on a replica's time).
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ What differs from one device on the global batch, and where: layers whose forwar
 depends on the batch (BatchNormalization in training) see each micro-batch as a batch of its
 own, as in any gradient accumulation: their statistics are per micro-batch, so such a model is
 not exactly one device's (plain BatchNormalization is not exact across replicas either). A
-model with SyncBatchNormalization is refused while any replica computes micro-batches: its
-statistics all-reduce in every forward pass would need the same micro-batch count on every
-replica. Everything else is exact: the update equals one device's, and the logs are the true
+model with SyncBatchNormalization is refused while limits are set (even all None): its
+statistics all-reduce in every forward pass cannot run inside a replica's micro-batch loop,
+and would need the same micro-batch count on every replica. Everything else is exact: the update equals one device's, and the logs are the true
 global means.
 
 Refused when traced (naming why): a step that applies gradients more than once (a GAN-style
@@ -44,7 +44,7 @@ and `tf.nn.scale_regularization_loss` (its regularization would count once per m
 """
 
 import dataclasses
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -93,9 +93,10 @@ class Limits:
         self.variable.assign(_core.limits_array(values))
 
     def guard_steps(self, strategy, model) -> None:
-        """With limits set, `model`'s Keras training steps survive running out of memory
-        (`out_of_memory`); a no-op without limits."""
-        if self.in_use and model is not None:
+        """With limits set, on one host, `model`'s Keras training steps survive running out
+        of memory (`out_of_memory`); a no-op without limits or across workers."""
+        one_host = strategy.num_local_replicas == strategy.num_replicas_in_sync
+        if self.in_use and model is not None and one_host:
             keras_trainer.guard_train_step(model, out_of_memory.StepGuard(strategy, model))
 
     def lower(self, replica: int, limit: int) -> None:
@@ -103,6 +104,43 @@ class Limits:
         values = list(self._values or [None] * self.num_replicas)
         values[replica] = int(limit)
         self.set(values)
+
+
+class LimitsMixin:
+    """The synchronous strategies' public face of the memory bounds (their `_micro_batches`,
+    a `Limits`)."""
+
+    @property
+    def micro_batch_limits(self) -> Optional[Tuple[Optional[int], ...]]:
+        """Per replica, the most samples it computes at once (None: no bound), in replica
+        order; None while no bounds were set (see `set_micro_batch_limits`)."""
+        return self._micro_batches.values
+
+    def set_micro_batch_limits(self, limits: Optional[Sequence[Optional[int]]]) -> None:
+        """Bounds how many samples each replica computes at once (its memory), not its share.
+
+        A replica whose share b_k of a step exceeds its bound m_k computes it in
+        ceil(b_k / m_k) micro-batches within the same training step and contributes their
+        weighted sum to the step's one all-reduce: the update stays exactly the one-device
+        update on the global batch, and the logs true global means (see the module docs). So a fast replica with little memory keeps
+        its fair share; `DynamicBatching(max_sizes=...)` stays a hard cap on the share.
+        The bounds change without retrace (the step reads them from a host variable) and the
+        count follows each step's actual batch. Once set (even all None), Keras's `fit` also
+        survives a step that runs out of memory: that replica's bound is lowered and the step
+        re-run with the same batch (`tf_hetbatch.distribute.out_of_memory`).
+
+        Takes effect in steps traced after the first call: Keras's next `fit`, a custom
+        loop's step traced anew. Several workers: call it on every worker with the same
+        values (as `set_batch_sizes`).
+
+        Args:
+            limits: one entry per replica, in replica order: an int >= 1 (samples computed
+                at once) or None (no bound); or None for no bounds at all.
+
+        Raises:
+            ValueError: wrong length, or an entry that is not an int >= 1 or None.
+        """
+        self._micro_batches.set(limits)
 
 
 # --------------------------------------------------------------------- the step's plan -------

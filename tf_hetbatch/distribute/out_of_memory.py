@@ -16,10 +16,10 @@ On a GPU this is where TensorFlow reports a full device. On CPUs the same path i
 tests that allocate beyond the machine's memory above a chosen micro-batch size.
 
 One host only: every replica is in this process, so the failed step ends on all of them and
-they all run it again. Across workers a replica's out-of-memory error leaves the other workers
-in the step's collective (TensorFlow's collectives cannot be cancelled on another task), and
-with `steps_per_execution` > 1 the failed execution has applied its earlier steps: in both
-cases the error ends the run as before.
+they all run it again. Across workers the guard is not installed: a worker that ran the step
+again alone was seen to hang with the other workers waiting in the step's all-reduce (two
+workers, TensorFlow 2.21), so the error ends the run as before; and with
+`steps_per_execution` > 1 the failed execution has applied its earlier steps.
 """
 
 import logging

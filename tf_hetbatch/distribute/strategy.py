@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 PIPELINE_LEAD_STEPS = 3
 
 
-class HeteroMixin:
+class HeteroMixin(micro_batches.LimitsMixin):
     """What both synchronous tf_hetbatch strategies add to their stock base class.
 
     They implement `tf_hetbatch.core.protocols.SynchronousSplitStrategy`. The host class calls
@@ -129,39 +129,6 @@ class HeteroMixin:
     def _install_for_new_data(self, sizes):
         """Installs `sizes` for training data distributed now, before it produced a batch."""
         self._allocation.install(sizes)
-
-    @property
-    def micro_batch_limits(self) -> Optional[Tuple[Optional[int], ...]]:
-        """Per replica, the most samples it computes at once (None: no bound), in replica
-        order; None while no bounds were set (see `set_micro_batch_limits`)."""
-        return self._micro_batches.values
-
-    def set_micro_batch_limits(self, limits: Optional[Sequence[Optional[int]]]) -> None:
-        """Bounds how many samples each replica computes at once (its memory), not its share.
-
-        A replica whose share b_k of a step exceeds its bound m_k computes it in
-        ceil(b_k / m_k) micro-batches within the same training step and contributes their
-        weighted sum to the step's one all-reduce: the update stays exactly the one-device
-        update on the global batch, and the logs true global means (see
-        `tf_hetbatch.distribute.micro_batches`). So a fast replica with little memory keeps
-        its fair share; `DynamicBatching(max_sizes=...)` stays a hard cap on the share.
-        The bounds change without retrace (the step reads them from a host variable) and the
-        count follows each step's actual batch. Once set (even all None), Keras's `fit` also
-        survives a step that runs out of memory: that replica's bound is lowered and the step
-        re-run with the same batch (`tf_hetbatch.distribute.out_of_memory`).
-
-        Takes effect in steps traced after the first call: Keras's next `fit`, a custom
-        loop's step traced anew. Several workers: call it on every worker with the same
-        values (as `set_batch_sizes`).
-
-        Args:
-            limits: one entry per replica, in replica order: an int >= 1 (samples computed
-                at once) or None (no bound); or None for no bounds at all.
-
-        Raises:
-            ValueError: wrong length, or an entry that is not an int >= 1 or None.
-        """
-        self._micro_batches.set(limits)
 
     @property
     def split_input_work(self) -> bool:
