@@ -207,6 +207,67 @@ def test_dynamic_batching_balances_bounded_replicas_exactly(cpus):
     assert max_weight_diff(ref, model) <= TOL
 
 
+# --------------------------------------------------------------------- custom steps -----------
+@pytest.mark.parametrize("variant", ["compute_loss", "loss_object", "sample_weight"])
+def test_guide_train_steps_with_a_bounded_replica_equal_one_device(cpus, variant):
+    # Custom train_steps as Keras's guide writes them (a loss tracker and metrics updated by
+    # hand): replica 2's share 16 in 3 micro-batches of <= 6, replica 1's 12 in 3 of 4.
+    import custom_models
+
+    columns = custom_models.data(160, sample_weight=variant == "sample_weight")
+    data = lambda: tf.data.Dataset.from_tensor_slices(columns).batch(32)  # noqa: E731
+    ref = custom_models.build(variant)
+    ref_history = ref.fit(data(), epochs=2, verbose=0).history
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([4, 12, 16])
+    strategy.set_micro_batch_limits([None, 4, 6])
+    with strategy.scope():
+        ours = custom_models.build(variant)
+    history = ours.fit(data(), epochs=2, verbose=0).history
+    assert max_weight_diff(ref, ours) <= TOL
+    assert history.keys() == ref_history.keys()
+    for key in ref_history:
+        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5)
+
+
+def test_a_step_applying_two_optimizers_is_refused_under_bounds(cpus):
+    import custom_models
+
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([4, 12, 16])
+    strategy.set_micro_batch_limits([None, 4, None])
+    with strategy.scope():
+        model = custom_models.build("two_optimizers")
+    data = tf.data.Dataset.from_tensor_slices(custom_models.data(64)).batch(32)
+    with pytest.raises(ValueError, match=r"applies gradients more than once.*Received: 2 "
+                       r"optimizer applies.*Fix:"):
+        model.fit(data, epochs=1, verbose=0)
+
+
+def test_custom_loop_with_a_bounded_replica_is_exact(cpus):
+    # TensorFlow's custom-loop guide (the loss scaled by the global batch): the returned
+    # losses and the weights are those of the same loop without bounds, and one device's.
+    from test_custom_steps import SPLIT as CUSTOM_SPLIT, _custom_loop, _dense
+    import custom_models
+
+    per_example = keras.losses.MeanSquaredError(reduction="none")
+
+    def loss(labels, predictions):
+        return tf.nn.compute_average_loss(per_example(labels, predictions), global_batch_size=32)
+
+    ref = _dense()
+    ref.fit(*custom_models.data(96), batch_size=32, epochs=1, shuffle=False, verbose=0)
+    plain = hb.HeteroMirroredStrategy(cpus[:3])
+    expected = _custom_loop(plain, _dense(plain), loss, CUSTOM_SPLIT)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_micro_batch_limits([None, 5, 6])
+    model = _dense(strategy)
+    got = _custom_loop(strategy, model, loss, CUSTOM_SPLIT)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert max_weight_diff(ref, model) <= TOL
+    assert strategy.steps_trained == 3
+
+
 # --------------------------------------------------------------------- rules and errors -------
 def test_micro_batch_counts_and_sizes_cover_the_share_within_the_bound():
     from tf_hetbatch.core import micro_batches as core
