@@ -268,6 +268,38 @@ def test_custom_loop_with_a_bounded_replica_is_exact(cpus):
     assert strategy.steps_trained == 3
 
 
+@pytest.mark.parametrize("per_micro_batch_ms", [0.0, 5.0, 20.0])
+def test_the_controller_prices_in_a_per_micro_batch_fixed_cost(per_micro_batch_ms):
+    # Pure core. Workers of speeds 3:5:12 at B = 128, the fast one bounded at 48 (below its
+    # fair share) with a fixed cost per micro-batch: t_k = alpha + beta_k b_k + c ceil(b_k/m).
+    # The affine time model learns it from the measured times (its slope c/m per sample): the
+    # settled split is within 3% of the best integer split's step time, found by brute force,
+    # and the fast worker keeps a share above its bound.
+    from tf_hetbatch.core import micro_batches as core
+
+    batch, limits = 128, [None, None, 48]
+    alpha = np.full(3, 0.010)
+    beta = 1e-3 * np.array([12 / 3, 12 / 5, 1.0])
+    cost = np.array([0.0, 0.0, per_micro_batch_ms * 1e-3])
+
+    def times(sizes):
+        return alpha + beta * np.asarray(sizes) + cost * core.micro_batch_counts(sizes, limits)
+
+    best = min(times((a, b, batch - a - b)).max()
+               for a in range(1, batch - 1) for b in range(1, batch - a))
+    for search in (False, True):
+        controller = hb.ModelBasedController(step_time_search=search)
+        sizes = (43, 43, 42)
+        state = controller.init(sizes)
+        rng = np.random.default_rng(0)
+        for _ in range(40):
+            measured = times(sizes) * rng.uniform(0.97, 1.03, 3)
+            sizes, state = controller.update(state, list(sizes), list(measured),
+                                             step_time=float(measured.max()) + 0.002)
+        assert times(sizes).max() <= 1.03 * best, (sizes, state.reason)
+        assert sizes[2] > 48
+
+
 # --------------------------------------------------------------------- rules and errors -------
 def test_micro_batch_counts_and_sizes_cover_the_share_within_the_bound():
     from tf_hetbatch.core import micro_batches as core

@@ -12,6 +12,10 @@ half the micro-batch it failed on (`core.micro_batches.lowered_limit`), the stra
 line naming the replica and its new bound, and the step is run again, until it fits or a
 micro-batch of one sample does not (then the error is raised, as without the guard).
 
+The cost: the batch taken eagerly and the metric variables copied, about 0.6-0.8 ms a step
+(one host, 3 logical CPUs, a small dense model: 2.5-3.2 ms a step without limits, 3.2-3.6
+with limits all None, 2.8-3.0 with limits but no guard).
+
 On a GPU this is where TensorFlow reports a full device. On CPUs the same path is exercised by
 tests that allocate beyond the machine's memory above a chosen micro-batch size.
 
