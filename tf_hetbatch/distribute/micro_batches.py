@@ -38,6 +38,10 @@ statistics all-reduce in every forward pass cannot run inside a replica's micro-
 and would need the same micro-batch count on every replica. Everything else is exact: the update equals one device's, and the logs are the true
 global means.
 
+Only training steps (Keras's `train_step`, a custom loop's step that applies gradients) are
+computed in micro-batches: evaluation and prediction, which hold no gradients, compute each
+replica's share at once.
+
 Refused when traced (naming why): a step that applies gradients more than once (a GAN-style
 step whose second update reads the first's cannot be accumulated), SyncBatchNormalization,
 and `tf.nn.scale_regularization_loss` (its regularization would count once per micro-batch).
