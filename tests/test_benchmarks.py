@@ -46,7 +46,7 @@ def _finite(*values):
 
 @pytest.mark.parametrize("script", ["bench_overhead.py", "bench_hetero.py", "bench_sweep.py",
                                     "bench_accuracy.py", "bench_input.py", "hetero_worker.py",
-                                    "input_worker.py"])
+                                    "input_worker.py", "bench_micro_batches.py"])
 def test_benchmark_help(script):
     proc = _run(script, "--help")
     assert proc.returncode == 0, proc.stderr
@@ -76,6 +76,21 @@ def test_bench_overhead_tiny_mode(tmp_path):
             got = m[key]
             assert got["stock"]["n"] == got["ours"]["n"] == 2 and got["ours"]["min"] > 0
     assert data["cluster"]["ratio"]["n"] == 2 and data["cluster"]["ratio"]["median"] > 0
+
+
+def test_bench_micro_batches_tiny_run(tmp_path):
+    out = tmp_path / "micro.json"
+    proc = _run("bench_micro_batches.py", "--steps", "6", "--repeats", "1", "--seed", "3",
+                "--caps", "none,none,none", "--filters", "4", "--train-samples", "1280",
+                "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| round | unbounded ms | micro ms | capped ms |" in proc.stdout
+    data = json.loads(out.read_text())
+    assert not all_finite(data), f"non-finite numbers at {all_finite(data)}"
+    (round_,) = data["rounds"]
+    assert all(round_[arm] > 0 for arm in ("unbounded", "micro", "capped"))
+    micro = next(p for p in data["phases"] if p["name"] == "micro r1")
+    assert micro["micro_batch_limits"] == [0, 0, 48]
 
 
 def test_bench_hetero_tiny_mode(tmp_path):

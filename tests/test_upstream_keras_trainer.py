@@ -88,3 +88,24 @@ def test_steps_per_execution_with_another_multi_step_loop_is_refused(cpus):
     model = build_under(strategy, own_loop_model, steps_per_execution=1)
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 2
+
+
+def test_keras_one_step_function_takes_its_batch_inside():
+    """Why a training step that runs out of memory needs our own one-step function to run
+    again (`keras_trainer.guard_train_step`): Keras's takes its batch from the iterator inside
+    the traced function (so a failed step has consumed it), and `fit` calls
+    `train_function(iterator)` and ends the epoch on OutOfRangeError. If Keras changes either,
+    re-check `_make_function_inlined` and `_guarded_one_step` against the new code."""
+    import inspect
+
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    make = inspect.getsource(TensorFlowTrainer._make_function)
+    assert "if self.steps_per_execution == 1:" in make
+    assert "one_step_on_data(iterator.get_next())" in "".join(make.split())
+    fit = inspect.getsource(TensorFlowTrainer.fit)
+    assert "self.train_function(iterator)" in fit
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    stop = inspect.getsource(TFEpochIterator.catch_stop_iteration)
+    assert "except tf.errors.OutOfRangeError:" in stop and "raise StopIteration" in stop

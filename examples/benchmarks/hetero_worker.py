@@ -17,8 +17,11 @@ The plan (JSON) holds the model (`model`, `filters`, `batch`, `train_samples`,
     (default "grid") with the lowest cluster-mean median step time; `"of"` takes the split
     an earlier phase named `of` ended with (for a dynamic phase, the split its controller
     settled on: a step-time search's try in flight at the end is left out).
-  - `{"name", "kind": "dynamic", "steps", "initial", "controller"}`: a fresh
-    `DynamicBatching(initial=...)` for that phase (a second `fit` in the same process).
+  - `{"name", "kind": "dynamic", "steps", "initial", "controller", "max_sizes"}`: a fresh
+    `DynamicBatching(initial=..., max_sizes=...)` for that phase (a second `fit` in the same
+    process).
+  Any phase may set `micro_batch_limits` (per replica, 0: no bound) at its start; the plan's
+  own `micro_batch_limits` are set before the model's step is traced.
   Each phase is one `model.fit(steps_per_epoch=steps)`; a `warmup` phase traces first.
 * `"accuracy"`: `runs` (list of "even" / "dynamic"): for each, a fresh model (same seed)
   trains `epochs` epochs with validation on the test set; epoch train times and test
@@ -198,11 +201,15 @@ def run_phase(model, strategy, dataset, phase, done, plan, chief):
         timer = StepTimer(strategy, t0, read_at=(skip, steps) if steps - skip >= 1 else None)
     else:
         dynamic = hb.DynamicBatching(initial=phase.get("initial", "uniform"),
-                                     controller=phase.get("controller"))
+                                     controller=phase.get("controller"),
+                                     max_sizes=phase.get("max_sizes"))
         callbacks.append(dynamic)
         timer = StepTimer(strategy, t0)
         record["initial"] = phase.get("initial", "uniform")
     callbacks.append(timer)
+    if "micro_batch_limits" in phase:  # read by the traced step: no retrace (plan-wide limits)
+        strategy.set_micro_batch_limits([m or None for m in phase["micro_batch_limits"]])
+        record["micro_batch_limits"] = phase["micro_batch_limits"]
     start = time.perf_counter()
     model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=callbacks)
     record["fit_seconds"] = time.perf_counter() - start
@@ -262,6 +269,8 @@ def task_phases(strategy, plan, chief):
     batch = plan["batch"]
     dataset = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=1)
                .batch(batch, drop_remainder=True).repeat())
+    if "micro_batch_limits" in plan:  # before the step is traced: phases may change them
+        strategy.set_micro_batch_limits([m or None for m in plan["micro_batch_limits"]])
     model = build_model(strategy, plan)
     done, waited = [], "start_at" not in plan
     for phase in plan["phases"]:

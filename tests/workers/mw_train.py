@@ -128,9 +128,11 @@ class Sink:
 
     def __init__(self):
         self.items = []
+        self.calls = []  # samples per call: per step, or per micro-batch
 
     def extend(self, values):
         self.items.extend(values)
+        self.calls.append(len(values))
 
 
 class SwitchAt(keras.callbacks.Callback):
@@ -164,7 +166,10 @@ def collectives_of(train_function):
     multi_step = getattr(train_function, "multi_step", None)
     if multi_step is None:
         return None
-    concrete = multi_step._list_all_concrete_functions()[-1]
+    traced = multi_step._list_all_concrete_functions()
+    if not traced:  # steps run one at a time (micro-batch limits: `guard_train_step`)
+        return None
+    concrete = traced[-1]
     graph = concrete.graph.as_graph_def()
     library = {f.signature.name: f for f in graph.library.function}
     step_keys = []
@@ -201,6 +206,11 @@ def collectives_of(train_function):
     return {"per_step": inside, "per_execution": outside, "step_keys": step_keys}
 
 
+def limits(text):
+    """"0,9" -> [None, 9]: per-replica micro-batch limits, 0 for no bound."""
+    return [int(v) or None for v in text.split(",")]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
@@ -223,6 +233,8 @@ def main():
                         "batch(B) (runs unsplit); reorder: as batch-map, after a parallel "
                         "per-sample map with deterministic=False that reorders")
     parser.add_argument("--steps-per-execution", type=int, default=1)
+    parser.add_argument("--micro-batch-limits", default="",
+                        help="per replica, comma separated, 0 for no bound")
     parser.add_argument("--refit-batch", type=int, default=0,
                         help="then one more epoch, the data batched by this size")
     parser.add_argument("--log-collectives", action="store_true",
@@ -264,6 +276,8 @@ def main():
     print(f"mw_train: strategy created, {strategy.layout.describe()}", flush=True)
     if args.sizes:
         strategy.set_batch_sizes([int(s) for s in args.sizes.split(",")])
+    if args.micro_batch_limits:
+        strategy.set_micro_batch_limits(limits(args.micro_batch_limits))
     sink = Sink()
     with strategy.scope():
         model = build(sink, weighted=args.sample_weight,
@@ -369,6 +383,7 @@ def main():
                 "windows": dynamic.windows if dynamic is not None else None,
                 "per_epoch": per_epoch.counts,
                 "collectives": collectives_of(model.train_function),
+                "calls": sink.calls,
             },
             f,
         )

@@ -84,6 +84,10 @@ def main():
     parser.add_argument("--term-step", type=int, default=-1)
     parser.add_argument("--dynamic", action="store_true", help="with DynamicBatching")
     parser.add_argument("--layout", default="", help="replicas (logical CPUs) per worker")
+    parser.add_argument("--sizes", default="",
+                        help="the first attempt's split, comma separated (later: restored)")
+    parser.add_argument("--micro-batch-limits", default="",
+                        help="per replica, comma separated, 0 for no bound")
     parser.add_argument("--log-info", action="store_true",
                         help="show tf_hetbatch's INFO lines (resume, preemption notices)")
     args = parser.parse_args()
@@ -93,6 +97,10 @@ def main():
     attempt = int(os.environ.get("TF_HETBATCH_RESTART", "0"))
     strategy = hb.HeteroMultiWorkerMirroredStrategy(mw_train.layout_devices(args.layout))
     index = strategy.cluster_resolver.task_id
+    if args.sizes and attempt == 0:
+        strategy.set_batch_sizes([int(v) for v in args.sizes.split(",")])
+    if args.micro_batch_limits:
+        strategy.set_micro_batch_limits(mw_train.limits(args.micro_batch_limits))
     sink = mw_train.Sink()
     with strategy.scope():
         model = build(sink)
@@ -124,7 +132,8 @@ def main():
         np.savez(record + ".npz", ids=np.array(sink.items, dtype=np.int64))
         with open(record + ".json", "w") as f:
             json.dump({"first_step": events.first_step, "last_step": events.step,
-                       "preempted_at": ckpt.preempted_at, "restored": ckpt.restored}, f)
+                       "preempted_at": ckpt.preempted_at, "restored": ckpt.restored,
+                       "calls": sink.calls}, f)
     np.savez(os.path.join(args.out, f"worker{index}.npz"), *model.get_weights(),
              ids=np.array(sink.items, dtype=np.int64))
     with open(os.path.join(args.out, f"worker{index}.json"), "w") as f:

@@ -15,13 +15,15 @@ A step that applies gradients counts as a trained step (the split's bookkeeping 
 and resuming by it), so a custom loop should run one such step per global batch.
 """
 
+import dataclasses
 import weakref
-from typing import Dict, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import keras
 import tensorflow as tf
 
 from tf_hetbatch.distribute import input_split
+from tf_hetbatch.distribute import micro_batches
 from tf_hetbatch.distribute import updates
 from tf_hetbatch.distribute import weighting
 from tf_hetbatch.distribute._upstream import keras_callers, keras_trainer, metrics
@@ -54,21 +56,32 @@ class StepRunner:
         carry_logs = training_step and keras_trainer.is_keras_own_train_step(fn)
         sync_batch_norm = any(_has_batch_norm(m, synchronized=True) for m in models)
         steps, logs_global = [], []
+        plan = None
+        if distributed and strategy._micro_batches.in_use and (
+                training_step or (kind is None and optimizers)):
+            plan = micro_batches.plan_step(strategy, args, kwargs, sync_batch_norm)
 
         def replica_fn(*replica_args, **replica_kwargs):
             replica_args, start_time, samples = _start_stamp(replica_args, check_nonempty)
+            data_here = _step_data(replica_args)
+            shares_of = _shares_of(totals, data_here) if distributed else None
             step = weighting.ReplicaStep(
                 num_replicas=strategy.num_replicas_in_sync,
-                shares=_shares(_step_data(replica_args), totals) if distributed else None,
-                has_sample_weight=has_sample_weight(_step_data(replica_args)),
+                shares=shares_of(data_here) if distributed else None,
+                has_sample_weight=has_sample_weight(data_here),
                 start_time=start_time, samples=samples, timing=strategy._timing,
                 carry_logs=carry_logs, optimizers_reached=bool(optimizers),
                 sync_batch_norm=sync_batch_norm,
             )
             steps.append(step)
             with weighting.replica_step(step):
-                with weighting.user_code(step):
-                    outputs = fn(*replica_args, **replica_kwargs)
+                if plan is not None:
+                    outputs = micro_batches.run(step, fn, replica_args, replica_kwargs,
+                                                dataclasses.replace(plan, shares_of=shares_of,
+                                                                    data_of=_step_data))
+                else:
+                    with weighting.user_code(step):
+                        outputs = fn(*replica_args, **replica_kwargs)
                 if carry_logs:
                     outputs, is_global = updates.finish_step(step, model, outputs)
                     logs_global.append(is_global)
@@ -107,14 +120,20 @@ def _step_data(args):
     return args[0] if len(args) == 1 else tuple(args)
 
 
-def _shares(data, totals) -> Dict[str, tf.Tensor]:
-    """Replica context: this replica's share of the step's samples and of its sample weight."""
-    samples, weight = amounts(data)
-    total_samples, total_weight = totals(samples, weight) if callable(totals) else totals
-    return {
-        weighting.BATCH: tf.math.divide_no_nan(samples, total_samples),
-        weighting.SAMPLE_WEIGHT: tf.math.divide_no_nan(weight, total_weight),
-    }
+def _shares_of(totals, data) -> Callable[[Any], Dict[str, tf.Tensor]]:
+    """Replica context: a function from data of this replica's step (its whole batch, or a
+    micro-batch of it) to that data's share of the step's samples and of its sample weight.
+    `totals` is a pair of tensors or a function of the replica's `amounts(data)` (called once
+    here: it may all-reduce)."""
+    total_samples, total_weight = totals(*amounts(data)) if callable(totals) else totals
+
+    def shares(part):
+        samples, weight = amounts(part)
+        return {
+            weighting.BATCH: tf.math.divide_no_nan(samples, total_samples),
+            weighting.SAMPLE_WEIGHT: tf.math.divide_no_nan(weight, total_weight),
+        }
+    return shares
 
 
 def amounts(data) -> Tuple[tf.Tensor, tf.Tensor]:

@@ -16,6 +16,7 @@ from tf_hetbatch.distribute import device_peaks
 from tf_hetbatch.distribute import input_split
 from tf_hetbatch.distribute import input_work
 from tf_hetbatch.distribute import iterator_release
+from tf_hetbatch.distribute import micro_batches
 from tf_hetbatch.distribute import step_run
 from tf_hetbatch.distribute import timing
 from tf_hetbatch.distribute import topology
@@ -26,7 +27,7 @@ from tf_hetbatch.distribute._upstream import (collectives, iterators, keras_call
 logger = logging.getLogger(__name__)
 
 
-class HeteroMixin:
+class HeteroMixin(micro_batches.LimitsMixin):
     """What both synchronous tf_hetbatch strategies add to their stock base class.
 
     They implement `tf_hetbatch.core.protocols.SynchronousSplitStrategy`. The host class calls
@@ -38,6 +39,8 @@ class HeteroMixin:
         self._topology = where
         self._allocation = where.allocation
         self._split = split_state.SplitState(self.num_replicas_in_sync)
+        self._micro_batches = micro_batches.Limits(self.num_replicas_in_sync,
+                                                   topology.HOST_DEVICE)
         # Set once a model with plain BatchNormalization trains: no replica may get 0 samples.
         self._needs_nonempty_replicas = False
         # False once the training data's per-sample work runs after the split: its sample
@@ -253,6 +256,7 @@ class HeteroMixin:
         model = keras_callers.keras_model_distributing_data()
         if model is not None:
             keras_trainer.inline_multi_step(model)  # steps_per_execution > 1 (keras#19246)
+            self._micro_batches.guard_steps(self, model)  # a step out of memory runs again
         self._check_dataset(dataset, evaluation)
         mode = getattr(options, "experimental_replication_mode", None)
         if mode == tf.distribute.InputReplicationMode.PER_REPLICA:

@@ -38,17 +38,13 @@ def adapt_optimizer(optimizer) -> None:
         if step is None:
             return original_apply(grads, trainable_variables)
         grads = _weighted_average_loss_gradients(step, list(grads))
-        if step.timing is not None and not step.gradients_applied:
-            grads = _timed_gradients(step, grads)  # the replica's own work ends here
         step.gradients_applied = True
-        if step.carry_logs and step.held is None:
-            step.held = (grads, lambda summed: _apply_summed(
-                optimizer, original_apply, summed, trainable_variables))
-            return None  # applied by finish_step, after the step's one all-reduce
-        summed = _sum_present(grads)
-        if step.timing is not None:
-            summed = step.timing.record_release(summed)
-        return _apply_summed(optimizer, original_apply, summed, trainable_variables)
+        if step.capture is not None:  # a micro-batch: summed with the others, then applied
+            step.capture.append(weighting.CapturedApply(
+                optimizer, original_apply, grads, trainable_variables))
+            return None
+        return _apply_replica_gradients(step, optimizer, original_apply, grads,
+                                        trainable_variables)
 
     def on_reduced(grads_and_vars):
         step = current_step()
@@ -60,6 +56,29 @@ def adapt_optimizer(optimizer) -> None:
     apply.__doc__ = original_apply.__doc__
     optimizer.apply = apply
     optimizer._tf_hetbatch_adapted = True
+
+
+def apply_captured(step: ReplicaStep, captured, grads) -> None:
+    """Replica context: applies the sum of a replica's micro-batches' gradients as its one
+    `apply` of the step (`micro_batches`)."""
+    _apply_replica_gradients(step, captured.optimizer, captured.original_apply, grads,
+                             captured.trainable_variables)
+
+
+def _apply_replica_gradients(step, optimizer, original_apply, grads, trainable_variables):
+    """The replica's weighted gradients of a step: timed, then held for the step's one
+    all-reduce (Keras's own train step) or summed across replicas and applied."""
+    if step.timing is not None and not step.timed:
+        grads = _timed_gradients(step, grads)  # the replica's own work ends here
+        step.timed = True
+    if step.carry_logs and step.held is None:
+        step.held = (grads, lambda summed: _apply_summed(
+            optimizer, original_apply, summed, trainable_variables))
+        return None  # applied by finish_step, after the step's one all-reduce
+    summed = _sum_present(grads)
+    if step.timing is not None:
+        summed = step.timing.record_release(summed)
+    return _apply_summed(optimizer, original_apply, summed, trainable_variables)
 
 
 def _weighted_average_loss_gradients(step, grads):
@@ -82,10 +101,10 @@ def _apply_summed(optimizer, original_apply, summed, trainable_variables):
         return original_apply(summed, trainable_variables)
 
 
-def _sum_present(grads):
+def _sum_present(grads, after_every_local_replica=False):
     """`grads` summed across replicas (None entries kept)."""
     present = [g for g in grads if g is not None]
-    summed = iter(sum_across_replicas(present))
+    summed = iter(sum_across_replicas(present, after_every_local_replica))
     return [None if g is None else next(summed) for g in grads]
 
 
@@ -103,7 +122,7 @@ def finish_step(step: ReplicaStep, model, outputs):
     metric_values = metrics.summable_metric_variables(model.metrics)
     locals_ = [tf.identity(v) for v in metric_values] if metric_values is not None else []
     dense = [g for g in grads if g is not None]
-    summed = sum_across_replicas(dense + locals_)
+    summed = sum_across_replicas(dense + locals_, step.micro_batched)
     summed_grads, sums = summed[:len(dense)], summed[len(dense):]
     if step.timing is not None:
         summed_grads = step.timing.record_release(summed_grads)
@@ -118,11 +137,19 @@ def finish_step(step: ReplicaStep, model, outputs):
     return merged, True
 
 
-def sum_across_replicas(values):
-    """Replica context: `values` summed across all replicas, one all-reduce per dtype."""
+def sum_across_replicas(values, after_every_local_replica: bool = False):
+    """Replica context: `values` summed across all replicas, one all-reduce per dtype.
+
+    With `after_every_local_replica` the all-reduce starts only once every replica of this
+    process has its values: a step that fails before (a micro-batch out of memory) then leaves
+    no collective in flight, which TensorFlow would abort for good ("Collective ops is aborted
+    by: group is cancelled"), and can run again (`out_of_memory`).
+    """
     if not values:
         return []
     ctx = tf.distribute.get_replica_context()
+    if after_every_local_replica:
+        values = _after_every_local_replica(ctx, values)
     by_dtype = {}
     for i, v in enumerate(values):
         by_dtype.setdefault(v.dtype, []).append(i)
@@ -134,6 +161,18 @@ def sum_across_replicas(values):
                                                     [values[i] for i in indices])):
                 out[i] = r
     return out
+
+
+def _after_every_local_replica(ctx, values):
+    """Replica context: `values`, available once every local replica's values are."""
+    def ready_token(strategy, per_replica):
+        local = [t for v in per_replica for t in strategy.experimental_local_results(v)]
+        with tf.control_dependencies(local):
+            return tf.constant(True)
+
+    token = ctx.merge_call(ready_token, args=(values,))
+    with tf.control_dependencies([token]):
+        return [tf.identity(v) for v in values]
 
 
 def _timed_gradients(step, grads):

@@ -104,6 +104,12 @@ class ReplicaStep:
     # the global logs.
     metric_results: Dict[int, Tuple[tf.Tensor, Any, tuple]] = dataclasses.field(
         default_factory=dict)
+    # Micro-batches (`micro_batches`): while a micro-batch runs, the optimizer `apply` calls it
+    # makes (`CapturedApply`), accumulated instead of applied; and the replica's count.
+    capture: Optional[List["CapturedApply"]] = None
+    micro_batched: bool = False
+    micro_batch_count: Optional[tf.Tensor] = None
+    timed: bool = False  # the replica's compute time is recorded (once per step)
 
     def share(self, mode):
         if self.shares is None:
@@ -111,6 +117,16 @@ class ReplicaStep:
         if mode == SAMPLE_WEIGHT and self.has_sample_weight:
             return self.shares[SAMPLE_WEIGHT]
         return self.shares[BATCH]
+
+
+@dataclasses.dataclass
+class CapturedApply:
+    """An optimizer `apply` of one micro-batch, held to be applied once summed (`updates`)."""
+
+    optimizer: Any
+    original_apply: Callable
+    grads: list
+    trainable_variables: Any
 
 
 def current_step() -> Optional[ReplicaStep]:
@@ -275,6 +291,27 @@ def adapt_metric(metric) -> None:
     result.__doc__ = original.__doc__
     metric.result = result
     metric._tf_hetbatch_result = original
+    if getattr(type(metric), "update_state", None) is keras.metrics.Mean.update_state:
+        _count_micro_batches_as_one_update(metric)  # a plain Mean (not a metric wrapper)
+
+
+def _count_micro_batches_as_one_update(metric) -> None:
+    """A `Mean` updated with one scalar per call (a loss tracker), in a micro-batched step:
+    each of the replica's n micro-batches adds its value with weight 1/n (as n * value, weight
+    1/n), so the replica's micro-batches count as the one update it makes without them and
+    the mean is what it is without micro-batches (`micro_batches`)."""
+    original = metric.update_state
+
+    def update_state(values, sample_weight=None):
+        step = current_step()
+        if (step is None or not step.micro_batched or sample_weight is not None
+                or tf.convert_to_tensor(values).shape.rank != 0):
+            return original(values, sample_weight=sample_weight)
+        count = tf.cast(step.micro_batch_count, metric.dtype)
+        return original(tf.cast(values, metric.dtype) * count, sample_weight=1.0 / count)
+
+    update_state.__doc__ = original.__doc__
+    metric.update_state = update_state
 
 
 _said_average_loss = []
@@ -323,6 +360,14 @@ def check_replica_count_read(step: Optional[ReplicaStep]) -> None:
         step.average_loss_reads += 1
         _warn_average_loss_value()
         return
+    if reader == keras_losses.TF_REGULARIZATION and step.micro_batched:
+        raise ValueError(
+            "`tf.nn.scale_regularization_loss` in a micro-batched step (a replica's share is "
+            "above its memory bound, `set_micro_batch_limits`) adds the regularization once "
+            "per micro-batch, so the update would not be one device's. Fix: compute the loss "
+            "with `model.compute_loss` (it adds the model's regularization losses, weighted by "
+            "each micro-batch's share), or lift the bounds "
+            "(strategy.set_micro_batch_limits(None)).")
     if reader == keras_losses.KERAS_SCALE:
         if step.pending_scale_reads > 0 or step.seam_depth > 0:
             step.pending_scale_reads = max(step.pending_scale_reads - 1, 0)

@@ -119,8 +119,7 @@ def _check_make_function_is_the_copied_one(model, spe):
 
 
 def _make_function_inlined(self, step_function):
-    """Keras 3.12-3.15 `TensorFlowTrainer._make_function` (`KNOWN_MAKE_FUNCTION_DIGESTS`), the
-    one-step function not a tf.function."""
+    """Keras 3.12-3.15's `_make_function` (`KNOWN_MAKE_FUNCTION_DIGESTS`), one step inlined."""
     from keras.src.backend.tensorflow.trainer import reduce_per_replica
 
     @tf.autograph.experimental.do_not_convert
@@ -183,7 +182,11 @@ def _make_function_inlined(self, step_function):
     if not self.run_eagerly:
         multi_step_on_iterator = tf.function(multi_step_on_iterator, reduce_retracing=True)
 
+    guarded_step = _guarded_one_step(self, step_function, one_step_on_data)
+
     def function(iterator):
+        if guarded_step is not None and isinstance(iterator, tf.distribute.DistributedIterator):
+            return guarded_step(iterator)
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
             opt_outputs = multi_step_on_iterator(iterator)
             if not opt_outputs.has_value():
@@ -195,6 +198,49 @@ def _make_function_inlined(self, step_function):
 
     function.multi_step = multi_step_on_iterator  # the traced execution, for inspection
     return function
+
+
+# --- A training step re-run with the same data (keras: TensorFlowTrainer._make_function) ------
+# Keras's one-step training function takes its batch from the iterator inside the traced
+# function, so a step that fails has consumed its data. `guard_train_step(model, guard)` gives
+# THE model an instance-level `_make_function` (the one above) whose one-step training function
+# (steps_per_execution == 1) takes the batch eagerly and calls the traced step through
+# `guard(run_step)`, which may call `run_step()` again with the same batch. Canary:
+# `test_upstream_keras_trainer.test_keras_one_step_function_takes_its_batch_inside`.
+def guard_train_step(model, guard) -> bool:
+    """Runs `model`'s training steps (steps_per_execution == 1, no jit_compile, Keras's own
+    `_make_function` of `KNOWN_MAKE_FUNCTION_DIGESTS`) through `guard(run_step)`; returns
+    whether it could (idempotent: the latest `guard` is used)."""
+    spe = int(getattr(model, "steps_per_execution", 1) or 1)
+    if spe != 1 or getattr(model, "jit_compile", False) or source_digest(getattr(
+            type(model), "_make_function", None)) not in KNOWN_MAKE_FUNCTION_DIGESTS:
+        return False  # another Keras's loop, or the model's own: left as it is
+    model._tf_hetbatch_step_guard = guard
+    if getattr(model, "_tf_hetbatch_guarded_steps", False):
+        return True
+    import types
+
+    model._make_function = types.MethodType(_make_function_inlined, model)
+    model._tf_hetbatch_guarded_steps = True
+    model.train_function = None  # rebuilt with the guard
+    return True
+
+
+def _guarded_one_step(model, step_function, one_step_on_data):
+    """The guarded one-step training function (`guard_train_step`), or None."""
+    guard = getattr(model, "_tf_hetbatch_step_guard", None)
+    if guard is None or int(model.steps_per_execution) != 1 or getattr(
+            step_function, "__func__", None) is not getattr(type(model), "train_step", None):
+        return None
+    one_step = one_step_on_data
+    if not model.run_eagerly:
+        one_step = tf.function(one_step_on_data, reduce_retracing=True)
+
+    def guarded_step(iterator):
+        data = iterator.get_next()  # eager: OutOfRangeError ends the epoch, as in Keras
+        return model._tf_hetbatch_step_guard(lambda: one_step(data))
+
+    return guarded_step
 
 
 _DEFERRED = threading.local()

@@ -1,0 +1,415 @@
+"""Memory-bounded replicas: a share above the bound is computed in micro-batches within the
+step, and the update, the logs and the split's bookkeeping stay one device's."""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_hetbatch as hb
+from helpers import BatchLogs, ShapeRecorder, Sink, max_weight_diff, regression_data
+
+TOL = 1e-5
+BOUND = 6
+SPLIT = [8, 3 * BOUND, 6]  # replica 1: a share of 3 bounds
+
+
+def bounded_model(sink=None, seed=1, steps_per_execution=1):
+    """Dense, Adam, an L2 regulariser (added once per step, whatever the micro-batches)."""
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((8,))]
+    if sink is not None:
+        layers.append(ShapeRecorder(sink))
+    layers += [keras.layers.Dense(16, activation="tanh",
+                                  kernel_regularizer=keras.regularizers.L2(1e-2)),
+               keras.layers.Dense(1)]
+    model = keras.Sequential(layers)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"],
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
+def _reference(x, y, epochs=1, callbacks=()):
+    ref = bounded_model()
+    logs = BatchLogs()
+    hist = ref.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0,
+                   callbacks=[logs, *callbacks])
+    return ref, logs, hist
+
+
+def _sizes_per_step(sink, num_replicas):
+    """Per replica: the micro-batch sizes it computed, in order."""
+    seen = collections.defaultdict(list)
+    for replica, n in sink.items:
+        seen[replica].append(n)
+    return seen
+
+
+def micro_batch_sizes(share, bound):
+    """The sizes of a share's micro-batches: ceil(share / bound) near-equal parts."""
+    count = max(-(-share // bound), 1) if bound else 1
+    return [((j + 1) * share + count - 1) // count - (j * share + count - 1) // count
+            for j in range(count)]
+
+
+class SwitchAtBatch(keras.callbacks.Callback):
+    def __init__(self, strategy, at, sizes):
+        super().__init__()
+        self.strategy, self.at, self.sizes, self.done = strategy, at, sizes, False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.done and batch >= self.at:
+            self.strategy.set_batch_sizes(self.sizes)
+            self.done = True
+
+
+@pytest.mark.parametrize("spe", [1, 3])
+def test_bounded_replica_matches_one_device(cpus, spe):
+    x, y = regression_data(n=320)  # 10 steps of 32
+    ref, ref_logs, ref_hist = _reference(x, y)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes(SPLIT)
+    strategy.set_micro_batch_limits([None, BOUND, None])
+    assert strategy.micro_batch_limits == (None, BOUND, None)
+    sink = Sink()
+    with strategy.scope():
+        ours = bounded_model(sink, steps_per_execution=spe)
+    logs = BatchLogs()
+    hist = ours.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[logs])
+    assert strategy.steps_trained == 10
+    assert max_weight_diff(ref, ours) <= TOL
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    expected = ref_logs.batches[spe - 1::spe] if spe > 1 else ref_logs.batches
+    for mine, theirs in zip(logs.batches, expected):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert mine["mae"] == pytest.approx(theirs["mae"], rel=1e-5)
+    seen = _sizes_per_step(sink, 3)
+    assert seen[1] == [BOUND] * 30  # 3 micro-batches of the bound in each of 10 steps
+    assert seen[0] == [8] * 10 and seen[2] == [6] * 10
+
+
+@pytest.mark.parametrize("spe", [1, 4])
+def test_micro_batch_count_follows_the_share_across_a_switch(cpus, spe):
+    # Replicas 0 and 1 bounded; the split switches mid-epoch (the new one reaches the replicas
+    # a few steps later, with the pipeline's lag): each step's count is ceil(share / bound) of
+    # the share it actually got, and the run stays one device's, over 2 epochs.
+    x, y = regression_data(n=320)
+    ref, ref_logs, ref_hist = _reference(x, y, epochs=2)
+    limits, before, after = [7, BOUND, None], SPLIT, [20, 4, 8]
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes(before)
+    strategy.set_micro_batch_limits(limits)
+    sink = Sink()
+    with strategy.scope():
+        ours = bounded_model(sink, steps_per_execution=spe)
+    switch = SwitchAtBatch(strategy, 2, after)
+    hist = ours.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[switch])
+    assert switch.done and strategy.steps_trained == 20
+    assert max_weight_diff(ref, ours) <= TOL
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    seen = _sizes_per_step(sink, 3)
+    old = [micro_batch_sizes(b, m) for b, m in zip(before, limits)]
+    new = [micro_batch_sizes(b, m) for b, m in zip(after, limits)]
+    assert old[0] == [4, 4] and old[1] == [6, 6, 6] and new[0] == [7, 7, 6] and new[1] == [4]
+    switched = [k for k in range(1, 20)
+                if seen[2] == [before[2]] * k + [after[2]] * (20 - k)]
+    assert len(switched) == 1, seen[2]  # the step the new split arrived at
+    k = switched[0]
+    for replica in (0, 1):
+        assert seen[replica] == old[replica] * k + new[replica] * (20 - k), replica
+
+
+class OutOfMemoryAbove(keras.layers.Layer):
+    """Identity layer whose replica `replica` runs out of memory (a real allocation beyond the
+    machine's memory: TensorFlow's ResourceExhaustedError, where a full GPU reports it) on a
+    batch of more than `size` samples in training."""
+
+    def __init__(self, replica, size, **kwargs):
+        super().__init__(**kwargs)
+        self.replica, self.size = replica, size
+
+    def call(self, inputs, training=None):
+        ctx = tf.distribute.get_replica_context()
+        if not training or ctx is None:
+            return inputs
+        too_big = tf.logical_and(tf.equal(ctx.replica_id_in_sync_group, self.replica),
+                                 tf.shape(inputs)[0] > self.size)
+        length = tf.where(too_big, tf.constant(2**40, tf.int64), tf.constant(1, tf.int64))
+        waste = tf.zeros(tf.reshape(length, [1]), inputs.dtype)  # 4 TiB when too big
+        return inputs + 0.0 * waste[0]
+
+
+def failing_model(replica, size, seed=1):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([
+        keras.Input((8,)), OutOfMemoryAbove(replica, size),
+        keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-2)),
+        keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    return model
+
+
+@pytest.mark.parametrize("limits,lowered,lines", [
+    ([None, 12, None], (None, 4, None), 1),  # 2 micro-batches of 9 fail: bound 4 (5 of <= 4)
+    ([None, None, None], (None, 4, None), 2),  # 18 fails, then 9: bound 4
+])
+def test_out_of_memory_step_runs_again_with_a_lower_bound(cpus, caplog, limits, lowered, lines):
+    x, y = regression_data(n=320)
+    ref, ref_logs, ref_hist = _reference(x, y)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes(SPLIT)
+    strategy.set_micro_batch_limits(limits)
+    with strategy.scope():
+        ours = failing_model(replica=1, size=5)
+    logs = BatchLogs()
+    with caplog.at_level("WARNING", logger="tf_hetbatch.distribute.out_of_memory"):
+        hist = ours.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+                        callbacks=[logs])
+    said = [r.getMessage() for r in caplog.records if "ran out of memory" in r.getMessage()]
+    assert len(said) == lines, said
+    assert said[-1].startswith("Replica 1 ") and "bound is now 4 samples" in said[-1]
+    assert strategy.micro_batch_limits == lowered
+    assert strategy.steps_trained == 10 and int(ours.optimizer.iterations.numpy()) == 10
+    assert max_weight_diff(ref, ours) <= TOL
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-5)
+    for mine, theirs in zip(logs.batches, ref_logs.batches):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert mine["mae"] == pytest.approx(theirs["mae"], rel=1e-5)
+
+
+def test_dynamic_batching_balances_bounded_replicas_exactly(cpus):
+    # Every replica bounded at 16 samples: the balanced split (48, 24, 12) for costs 1:2:4
+    # is reached all the same (replica 0 in 3 micro-batches, replica 1 in 2), and the run
+    # equals one device's on the same global batches.
+    from test_callback import BALANCED, GLOBAL_BATCH, cost_dataset, cost_model, imbalance
+
+    steps = 75
+    ref = cost_model()
+    ref.fit(cost_dataset(), steps_per_epoch=steps, epochs=1, shuffle=False, verbose=0)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_micro_batch_limits([16, 16, 16])
+    with strategy.scope():
+        model = cost_model()
+    callback = hb.DynamicBatching(controller=hb.ModelBasedController(step_time_search=False))
+    model.fit(cost_dataset(), steps_per_epoch=steps, epochs=1, shuffle=False, verbose=0,
+              callbacks=[callback])
+    sizes = callback.batch_sizes
+    assert sum(sizes) == GLOBAL_BATCH and strategy.batch_sizes == sizes
+    assert sizes[0] > 2 * 16 and sizes[0] > sizes[1] > sizes[2], callback.history
+    assert np.max(np.abs(np.subtract(sizes, BALANCED))) <= 4, callback.history
+    rebalanced = [w for w in callback.windows[1:]
+                  if all(v == int(v) for v in w["samples_per_step"])]
+    assert imbalance(callback.windows[0]) > 2.5
+    assert imbalance(rebalanced[-1]) < 1.3, callback.windows
+    assert strategy.micro_batch_limits == (16, 16, 16)
+    assert max_weight_diff(ref, model) <= TOL
+
+
+# --------------------------------------------------------------------- custom steps -----------
+@pytest.mark.parametrize("variant", ["compute_loss", "loss_object", "sample_weight"])
+def test_guide_train_steps_with_a_bounded_replica_equal_one_device(cpus, variant):
+    # Custom train_steps as Keras's guide writes them (a loss tracker and metrics updated by
+    # hand): replica 2's share 16 in 3 micro-batches of <= 6, replica 1's 12 in 3 of 4.
+    import custom_models
+
+    columns = custom_models.data(160, sample_weight=variant == "sample_weight")
+    data = lambda: tf.data.Dataset.from_tensor_slices(columns).batch(32)  # noqa: E731
+    ref = custom_models.build(variant)
+    ref_history = ref.fit(data(), epochs=2, verbose=0).history
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([4, 12, 16])
+    strategy.set_micro_batch_limits([None, 4, 6])
+    with strategy.scope():
+        ours = custom_models.build(variant)
+    history = ours.fit(data(), epochs=2, verbose=0).history
+    assert max_weight_diff(ref, ours) <= TOL
+    assert history.keys() == ref_history.keys()
+    for key in ref_history:
+        np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5)
+
+
+def test_a_step_applying_two_optimizers_is_refused_under_bounds(cpus):
+    import custom_models
+
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([4, 12, 16])
+    strategy.set_micro_batch_limits([None, 4, None])
+    with strategy.scope():
+        model = custom_models.build("two_optimizers")
+    data = tf.data.Dataset.from_tensor_slices(custom_models.data(64)).batch(32)
+    with pytest.raises(ValueError, match=r"applies gradients more than once.*Received: 2 "
+                       r"optimizer applies.*Fix:"):
+        model.fit(data, epochs=1, verbose=0)
+
+
+def test_custom_loop_with_a_bounded_replica_is_exact(cpus):
+    # TensorFlow's custom-loop guide (the loss scaled by the global batch): the returned
+    # losses and the weights are those of the same loop without bounds, and one device's.
+    from test_custom_steps import SPLIT as CUSTOM_SPLIT, _custom_loop, _dense
+    import custom_models
+
+    per_example = keras.losses.MeanSquaredError(reduction="none")
+
+    def loss(labels, predictions):
+        return tf.nn.compute_average_loss(per_example(labels, predictions), global_batch_size=32)
+
+    ref = _dense()
+    ref.fit(*custom_models.data(96), batch_size=32, epochs=1, shuffle=False, verbose=0)
+    plain = hb.HeteroMirroredStrategy(cpus[:3])
+    expected = _custom_loop(plain, _dense(plain), loss, CUSTOM_SPLIT)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_micro_batch_limits([None, 5, 6])
+    model = _dense(strategy)
+    got = _custom_loop(strategy, model, loss, CUSTOM_SPLIT)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert max_weight_diff(ref, model) <= TOL
+    assert strategy.steps_trained == 3
+
+
+@pytest.mark.parametrize("per_micro_batch_ms", [0.0, 5.0, 20.0])
+def test_the_controller_prices_in_a_per_micro_batch_fixed_cost(per_micro_batch_ms):
+    # Pure core. Workers of speeds 3:5:12 at B = 128, the fast one bounded at 48 (below its
+    # fair share) with a fixed cost per micro-batch: t_k = alpha + beta_k b_k + c ceil(b_k/m).
+    # The affine time model learns it from the measured times (its slope c/m per sample): the
+    # settled split is within 3% of the best integer split's step time, found by brute force,
+    # and the fast worker keeps a share above its bound.
+    from tf_hetbatch.core import micro_batches as core
+
+    batch, limits = 128, [None, None, 48]
+    alpha = np.full(3, 0.010)
+    beta = 1e-3 * np.array([12 / 3, 12 / 5, 1.0])
+    cost = np.array([0.0, 0.0, per_micro_batch_ms * 1e-3])
+
+    def times(sizes):
+        return alpha + beta * np.asarray(sizes) + cost * core.micro_batch_counts(sizes, limits)
+
+    best = min(times((a, b, batch - a - b)).max()
+               for a in range(1, batch - 1) for b in range(1, batch - a))
+    for search in (False, True):
+        controller = hb.ModelBasedController(step_time_search=search)
+        sizes = (43, 43, 42)
+        state = controller.init(sizes)
+        rng = np.random.default_rng(0)
+        for _ in range(40):
+            measured = times(sizes) * rng.uniform(0.97, 1.03, 3)
+            sizes, state = controller.update(state, list(sizes), list(measured),
+                                             step_time=float(measured.max()) + 0.002)
+        assert times(sizes).max() <= 1.03 * best, (sizes, state.reason)
+        assert sizes[2] > 48
+
+
+# --------------------------------------------------------------------- rules and errors -------
+def test_micro_batch_counts_and_sizes_cover_the_share_within_the_bound():
+    from tf_hetbatch.core import micro_batches as core
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        share, bound = int(rng.integers(0, 300)), int(rng.integers(1, 64))
+        count = core.micro_batch_counts([share], [bound])[0]
+        assert count == max(-(-share // bound), 1)
+        sizes = micro_batch_sizes(share, bound)
+        assert len(sizes) == count and sum(sizes) == share and max(sizes) <= bound
+        assert max(sizes) - min(sizes) <= 1
+    assert core.micro_batch_counts([10, 96, 97, 0], [None, 48, 48, 48]).tolist() == [
+        1, 2, 3, 1]
+    assert core.micro_batch_counts([10, 20], None).tolist() == [1, 1]
+    assert core.lowered_limit(9) == 4 and core.lowered_limit(2) == 1
+    assert core.lowered_limit(1) is None
+
+
+@pytest.mark.parametrize("limits,match", [
+    ([4, 4], r"one entry per replica \(3\).*limits=\[4, 4\]"),
+    ([4, 0, None], r"ints >= 1 or None, found 0 at index 1"),
+    ([4, 2.5, None], r"found 2.5 at index 1"),
+    ([True, 4, None], r"found True at index 0"),
+    ("abc", r"one entry per replica"),
+])
+def test_bad_limits_are_refused_naming_the_value_and_the_fix(cpus, limits, match):
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    with pytest.raises(ValueError, match=match) as error:
+        strategy.set_micro_batch_limits(limits)
+    assert "Fix: pass one entry per replica (3)" in str(error.value)
+    assert strategy.micro_batch_limits is None
+    strategy.set_micro_batch_limits([4.0, None, 2])
+    assert strategy.micro_batch_limits == (4, None, 2)
+    strategy.set_micro_batch_limits(None)
+    assert strategy.micro_batch_limits is None
+
+
+def test_sync_batch_normalization_is_refused_under_bounds(cpus):
+    from helpers import conv_syncbn_model, image_data
+
+    x, y = image_data(n=64)
+    strategy = hb.HeteroMirroredStrategy(cpus[:2])
+    strategy.set_micro_batch_limits([8, None])
+    with strategy.scope():
+        model = conv_syncbn_model()
+    with pytest.raises(ValueError, match=r"SyncBatchNormalization.*micro_batch_limits="
+                       r"\(8, None\).*Fix:"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
+def test_the_replica_of_an_out_of_memory_error_is_read_from_its_device(cpus):
+    from tf_hetbatch.distribute import out_of_memory
+
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    message = ("OOM when allocating tensor with shape[1099511627776] and type float on "
+               "/job:localhost/replica:0/task:0/device:CPU:{} by allocator mklcpu")
+    for replica in range(3):
+        error = tf.errors.ResourceExhaustedError(None, None, message.format(replica))
+        assert out_of_memory.replica_of_error(strategy, error) == replica
+    other = tf.errors.ResourceExhaustedError(None, None, "out of memory somewhere")
+    assert out_of_memory.replica_of_error(strategy, other) is None
+    assert out_of_memory.micro_batch_size(18, 12) == 9
+    assert out_of_memory.micro_batch_size(18, None) == 18
+
+
+# --------------------------------------------------------------------- two workers ------------
+@pytest.mark.cluster
+def test_two_workers_bounded_replica_exact_with_a_switch(tmp_path):
+    # Worker 1's replica is bounded at 9 with a share of 27 (3 micro-batches); the switch to
+    # [20, 12] lands at the same step on both workers, from which it computes 2 of 6.
+    from test_multi_worker import assert_every_worker_equals, mw_train, run_cluster
+
+    from tf_hetbatch.distribute.multi_worker import DEFAULT_SWITCH_MARGIN
+
+    outputs = run_cluster(tmp_path, 2, "--sizes", "5,27", "--switch-step", "4",
+                          "--switch-sizes", "20,12", "--micro-batch-limits", "0,9")
+    x, y = mw_train.data(320)
+    ref = mw_train.build()
+    ref_hist = ref.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=2,
+                       verbose=0)
+    assert_every_worker_equals(ref.get_weights(), outputs)
+    switch = 4 + DEFAULT_SWITCH_MARGIN
+    assert outputs[0][1]["calls"] == [5] * switch + [20] * (20 - switch)
+    assert outputs[1][1]["calls"] == [9, 9, 9] * switch + [6, 6] * (20 - switch)
+    for _, info in outputs:
+        np.testing.assert_allclose(info["history"]["loss"], ref_hist.history["loss"],
+                                   rtol=1e-5)
+
+
+@pytest.mark.cluster
+def test_two_workers_resume_keeps_micro_batches_following_the_restored_share(tmp_path):
+    # Attempt 0 sets the split [5, 27] (worker 1 bounded at 9: 3 micro-batches a step); its
+    # worker 1 dies after step 7. The relaunch does not set a split: the one restored from the
+    # checkpoint of step 4 gives worker 1 its 27 samples again, in 3 micro-batches, and the
+    # run ends equal to one device's.
+    from test_recovery import (TOTAL_STEPS, attempt_of, max_diff, outputs_of,
+                               reference_weights, run_cluster, weights_of)
+
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    result, log = run_cluster(out, ckpt, 2, "--every", "4", "--sizes", "5,27",
+                              "--micro-batch-limits", "0,9", "--die-worker", "1",
+                              "--die-attempt", "0", "--die-step", "7", max_restarts=1)
+    assert result.ok, result.message + "\n" + log[-4000:]
+    assert result.attempts == 2
+    ref = reference_weights()
+    for worker, (weights, info) in enumerate(outputs_of(out, 2)):
+        assert info["restored"]["step"] == 4 and info["restored_sizes"] == [5, 27]
+        resumed, _ = attempt_of(out, worker, 1)
+        steps = TOTAL_STEPS - 4
+        assert resumed["calls"] == ([5] if worker == 0 else [9, 9, 9]) * steps
+        assert max_diff(weights_of(weights, len(ref)), ref) <= 1e-5
+
