@@ -10,7 +10,15 @@ On a machine with GPUs (a few minutes):
 3. exactness: that job with an uneven split against one device on the same global batches;
 4. two workers (`tf_hetbatch.launch`): worker 0 hosts the GPUs, worker 1 the CPU; the kinds
    differ, so the all-reduce goes through each worker's CPU (`strategy.layout.all_reduce` is
-   "host"); each replica's samples/s and the exactness against one device.
+   "host"); each replica's samples/s and the exactness against one device;
+5. micro-batches, on the host of part 2 with the uneven split of part 3: the mean step time without
+   micro-batch limits and with each replica bounded at a third of its share (3 micro-batches
+   each, `set_micro_batch_limits`), and the bounded run's exactness against one device.
+
+Up front, each device with memory of its own (a GPU: `tf.config.experimental.get_memory_info`)
+gets a memory bound: the peak memory of a training step at two batch sizes, fitted linearly
+(a fixed part plus a part per sample) and solved for the device's free memory (as nvidia-smi
+reports it before the probe: an estimate, TensorFlow's own pool and other processes move it).
 
 Without a GPU it says which parts it skipped and runs the rest on logical CPUs: two logical
 CPUs stand in for a host with two devices, and the two workers host 1 and 2 logical CPUs with
@@ -19,17 +27,21 @@ tiny mode the test suite runs (well under a minute on CPU).
 """
 
 import argparse
+import functools
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # TensorFlow's GPU i: nvidia-smi's
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 BATCH = 64
+PROBE_SIZES = (32, 128)  # the memory probe's two batch sizes
 EXACT = 1e-5  # the same kind of device: float32 rounding only
 EXACT_MIXED = 1e-4  # GPUs and CPUs: different kernels round differently
 
@@ -102,6 +114,7 @@ def skewed(split):
     return [split[0] - moved] + list(split[1:-1]) + [split[-1] + moved]
 
 
+@functools.lru_cache(maxsize=None)  # parts 3 and 5 compare against the same run
 def one_device_weights(steps, filters):
     """One device (TensorFlow's default placement) on the same global batches."""
     model = make_model(filters)
@@ -131,6 +144,11 @@ class StepClock:
 
         late = self.seconds[len(self.seconds) // 2:] or self.seconds
         return BATCH / float(np.median(late))
+
+    def mean_ms(self):
+        """Mean step time in ms, the first step (tracing) left out."""
+        later = self.seconds[1:] or self.seconds
+        return 1000.0 * sum(later) / len(later)
 
 
 # ------------------------------------------------------------------------- one host -------
@@ -194,6 +212,124 @@ def one_host(devices, args):
     diff = max_diff(ours.get_weights(), one_device_weights(exact_steps, args.filters))
     return {"static_split": static, "settled_split": list(dynamic.settled_batch_sizes),
             "exact_split": skewed(static), "max_weight_diff": diff}
+
+
+def micro_batches(devices, split, args):
+    """Mean step time of one job over `devices` with the uneven `split`, without micro-batch
+    limits and with each replica bounded at a third of its share; the bounded run's limits,
+    micro-batch counts (from the strategy after the run: a bound lowered after running out of
+    memory shows) and exactness against one device."""
+    import tf_hetbatch as hb
+    from tf_hetbatch.core.micro_batches import micro_batch_counts
+
+    steps = steps_of(args)[2]
+    result = {}
+    for name, limits in (("unbounded", None), ("bounded", [-(-b // 3) for b in split])):
+        strategy = hb.HeteroMirroredStrategy(devices)
+        strategy.set_batch_sizes(split)
+        if limits is not None:
+            strategy.set_micro_batch_limits(limits)
+        with strategy.scope():
+            model = make_model(args.filters)
+        clock = StepClock()
+        model.fit(dataset(steps), epochs=1, verbose=0, callbacks=[clock.callback])
+        result[f"step_ms_{name}"] = clock.mean_ms()
+    limits = strategy.micro_batch_limits
+    result.update(
+        split=list(split), limits=list(limits) if limits is not None else None,
+        counts=micro_batch_counts(strategy.batch_sizes, limits).astype(int).tolist(),
+        max_weight_diff=max_diff(model.get_weights(),
+                                 one_device_weights(steps, args.filters)))
+    return result
+
+
+# ------------------------------------------------------------------------- memory ---------
+def memory_name(device):
+    """"GPU:0" for "/gpu:0": the form `tf.config.experimental.get_memory_info` takes."""
+    import tensorflow as tf
+
+    spec = tf.DeviceSpec.from_string(device)
+    return f"{spec.device_type}:{spec.device_index or 0}"
+
+
+def reports_memory(device):
+    """Whether `device` has memory of its own that TensorFlow reports: a GPU (or TPU). CPUs
+    report the host's allocator (TensorFlow 2.21), shared by every CPU replica and the input
+    pipeline: no bound of one replica's."""
+    import tensorflow as tf
+
+    if tf.DeviceSpec.from_string(device).device_type not in ("GPU", "TPU"):
+        return False
+    try:
+        tf.config.experimental.get_memory_info(memory_name(device))
+    except ValueError:  # memory statistics not tracked
+        return False
+    return True
+
+
+def free_gpu_memory():
+    """Free bytes per TensorFlow GPU index, from nvidia-smi ({} where it cannot say)."""
+    if os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        return {}  # TensorFlow's GPU order may not be nvidia-smi's
+    try:
+        text = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,uuid,memory.free", "--format=csv,noheader,"
+             "nounits"], capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    rows = [[c.strip() for c in line.split(",")] for line in text.splitlines() if line.strip()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:  # an index or a UUID (prefix) per visible GPU, in TF's order
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        rows = [row for e in entries for row in rows if e == row[0] or row[1].startswith(e)]
+    try:
+        return {i: int(row[2]) * 2**20 for i, row in enumerate(rows)}
+    except (IndexError, ValueError):
+        return {}
+
+
+def linear_bound(sizes, peaks, free):
+    """Most samples a step fits in `free` bytes, by the line through (size, peak bytes); None
+    if the peaks do not grow with the batch or the free memory is unknown."""
+    slope = (peaks[1] - peaks[0]) / (sizes[1] - sizes[0])
+    if free is None or slope <= 0:
+        return None
+    return max(int((free - (peaks[0] - slope * sizes[0])) // slope), 0)
+
+
+def step_peak(device, size, filters):
+    """Peak memory (bytes above what was in use before) of training steps of `size` samples
+    on `device` alone."""
+    import tensorflow as tf
+
+    import tf_hetbatch as hb
+
+    name = memory_name(device)
+    x, y = data(2 * size, seed=2)
+    before = tf.config.experimental.get_memory_info(name)["current"]
+    tf.config.experimental.reset_memory_stats(name)
+    strategy = hb.HeteroMirroredStrategy([device])
+    with strategy.scope():
+        model = make_model(filters)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(size), epochs=1, verbose=0)
+    return tf.config.experimental.get_memory_info(name)["peak"] - before
+
+
+def probe_memory(devices, args):
+    """Per device with memory of its own (GPUs): its peak memory at `PROBE_SIZES` and the
+    bound a linear fit gives for its free memory; [] where none has (CPUs)."""
+    import tensorflow as tf
+
+    reporting = [d for d in devices if reports_memory(d)]  # starts the runtime on the GPUs
+    free = free_gpu_memory() if reporting else {}
+    out = []
+    for device in reporting:
+        peaks = [step_peak(device, size, args.filters) for size in PROBE_SIZES]
+        spec = tf.DeviceSpec.from_string(device)
+        room = free.get(spec.device_index or 0) if spec.device_type == "GPU" else None
+        out.append({"device": device, "sizes": list(PROBE_SIZES), "peak_bytes": peaks,
+                    "free_bytes": room, "bound": linear_bound(PROBE_SIZES, peaks, room)})
+    return out
 
 
 # ------------------------------------------------------------------------- two workers ----
@@ -296,6 +432,22 @@ def print_table(results):
     print(f"two workers: {cluster['layout']}\n  split {cluster['split']}; samples/s per "
           f"replica: {speeds}\n  exact vs one device: "
           f"{verdict(cluster['max_weight_diff'], mixed)}")
+    micro = results["micro_batches"]
+    counts = ", ".join(str(c) for c in micro["counts"])
+    bounded = f"bounds {micro['limits']} ({counts} micro-batches)"
+    print(f"micro-batches, one host, split {micro['split']}:\n"
+          f"  {'no bounds':40} step {micro['step_ms_unbounded']:7.1f} ms\n"
+          f"  {bounded:40} step {micro['step_ms_bounded']:7.1f} ms; exact vs one device: "
+          f"{verdict(micro['max_weight_diff'], mixed)}")
+    if not results["memory_bounds"]:
+        print("memory bounds: skipped: no device reports memory of its own (no GPU; CPU "
+              "replicas share the host's)")
+    for row in results["memory_bounds"]:
+        peaks = ", ".join(f"{p / 2**20:.1f} MB at {b}" for b, p in zip(row["sizes"],
+                                                                       row["peak_bytes"]))
+        free = "unknown" if row["free_bytes"] is None else f"{row['free_bytes'] / 2**30:.1f} GB"
+        print(f"memory bound of {row['device']}: step peak {peaks}; free {free}: "
+              f"{'none' if row['bound'] is None else row['bound']} samples at once")
 
 
 def main(argv=None):
@@ -309,8 +461,10 @@ def main(argv=None):
     results = {"tensorflow": tf.__version__, "gpus": num_gpus,
                "two_workers": two_workers(args, num_gpus, workdir)}  # before this process
     devices = set_up_devices(num_gpus)                             # takes GPU memory
+    results["memory_bounds"] = probe_memory(devices, args)
     results["devices"] = measure_devices(devices, args)
     results["one_host"] = one_host(devices, args)
+    results["micro_batches"] = micro_batches(devices, results["one_host"]["exact_split"], args)
     print_table(results)
     if args.out:
         with open(args.out, "w") as f:

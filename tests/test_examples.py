@@ -145,3 +145,15 @@ def test_gpu_check_tiny_mode_on_cpu_says_what_it_skipped(tmp_path):
     assert len(cluster["split"]) == 3 and sum(cluster["split"]) == 64
     assert len(set(cluster["split"])) > 1
     assert cluster["kinds"] == ["CPU"] * 3 and all(s > 0 for s in cluster["samples_per_s"])
+    # Micro-batches: the uneven split again, each replica bounded at a third of its share.
+    assert "memory bounds: skipped: no device reports memory" in out
+    assert found["memory_bounds"] == []
+    micro = found["micro_batches"]
+    assert micro["split"] == host["exact_split"]
+    assert micro["limits"] == [-(-b // 3) for b in micro["split"]]  # set on the strategy
+    # Counts from the strategy's shares and bounds after the run: limits it ignored fail here.
+    assert micro["counts"] == [-(-b // m) for b, m in zip(micro["split"], micro["limits"])]
+    assert max(micro["counts"]) > 1
+    assert micro["step_ms_unbounded"] > 0 and micro["step_ms_bounded"] > 0
+    assert micro["max_weight_diff"] <= 1e-5
+    assert "micro-batches, one host, split" in out and " micro-batches) " in out
