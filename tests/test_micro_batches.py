@@ -413,3 +413,24 @@ def test_two_workers_resume_keeps_micro_batches_following_the_restored_share(tmp
         assert resumed["calls"] == ([5] if worker == 0 else [9, 9, 9]) * steps
         assert max_diff(weights_of(weights, len(ref)), ref) <= 1e-5
 
+
+
+@pytest.mark.cluster
+def test_a_worker_hosting_two_replicas_one_bounded_trains_exactly(tmp_path):
+    # Worker 1 hosts replicas 1 and 2 (logical CPUs); replica 1 is bounded at 6 with a share of
+    # 16 (3 micro-batches of at most 6), its neighbour is not: the model and the logs equal
+    # one device's, and only the bounded replica's calls are micro-batches.
+    from test_multi_worker import assert_every_worker_equals, reference_run, run_cluster
+
+    outputs = run_cluster(tmp_path, 2, "--layout", "1,2", "--sizes", "5,16,11",
+                          "--micro-batch-limits", "0,6,0")
+    weights, history = reference_run()
+    assert_every_worker_equals(weights, outputs)
+    steps = 20
+    assert outputs[0][1]["calls"] == [5] * steps
+    calls = outputs[1][1]["calls"]  # both replicas of worker 1, in no set order
+    assert [c for c in calls if c > 6] == [11] * steps
+    micro = [c for c in calls if c <= 6]
+    assert len(micro) == 3 * steps and sum(micro) == 16 * steps
+    for _, info in outputs:
+        np.testing.assert_allclose(info["history"]["loss"], history["loss"], rtol=1e-5)
