@@ -96,6 +96,19 @@ class BatchLogs(keras.callbacks.Callback):
         self.batches.append(dict(logs))
 
 
+class SwitchAtBatch(keras.callbacks.Callback):
+    """Sets the split `sizes` at the end of batch `at` (once), as a user's callback would."""
+
+    def __init__(self, strategy, at, sizes):
+        super().__init__()
+        self.strategy, self.at, self.sizes, self.done = strategy, at, sizes, False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.done and batch >= self.at:
+            self.strategy.set_batch_sizes(self.sizes)
+            self.done = True
+
+
 class Sink:
     """A plain holder (Keras would wrap a list attribute of a layer in a tracked copy)."""
 

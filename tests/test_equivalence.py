@@ -15,6 +15,7 @@ from helpers import (
     max_weight_diff,
     regression_data,
     stock_mirrored,
+    SwitchAtBatch,
 )
 
 TOL = 1e-5
@@ -182,17 +183,6 @@ def test_stock_averaging_of_uneven_batches_differs(cpus):
     for i in range(0, len(x), 32):
         step(tf.constant(x[i : i + 32]), tf.constant(y[i : i + 32]))
     assert max_weight_diff(ref, model) > 100 * TOL
-
-
-class SwitchAtBatch(keras.callbacks.Callback):
-    def __init__(self, strategy, at, sizes):
-        super().__init__()
-        self.strategy, self.at, self.sizes, self.done = strategy, at, sizes, False
-
-    def on_train_batch_end(self, batch, logs=None):
-        if not self.done and batch >= self.at:
-            self.strategy.set_batch_sizes(self.sizes)
-            self.done = True
 
 
 @pytest.mark.parametrize("spe", [1, 3, 8])

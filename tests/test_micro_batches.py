@@ -9,7 +9,8 @@ import pytest
 import tensorflow as tf
 
 import tf_hetbatch as hb
-from helpers import BatchLogs, ShapeRecorder, Sink, max_weight_diff, regression_data
+from helpers import (BatchLogs, ShapeRecorder, Sink, SwitchAtBatch, max_weight_diff,
+                     regression_data)
 
 TOL = 1e-5
 BOUND = 6
@@ -52,17 +53,6 @@ def micro_batch_sizes(share, bound):
     count = max(-(-share // bound), 1) if bound else 1
     return [((j + 1) * share + count - 1) // count - (j * share + count - 1) // count
             for j in range(count)]
-
-
-class SwitchAtBatch(keras.callbacks.Callback):
-    def __init__(self, strategy, at, sizes):
-        super().__init__()
-        self.strategy, self.at, self.sizes, self.done = strategy, at, sizes, False
-
-    def on_train_batch_end(self, batch, logs=None):
-        if not self.done and batch >= self.at:
-            self.strategy.set_batch_sizes(self.sizes)
-            self.done = True
 
 
 @pytest.mark.parametrize("spe", [1, 3])
