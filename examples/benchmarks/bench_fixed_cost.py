@@ -27,7 +27,7 @@ ours / stock MWMS) compares launches run one after the other, not interleaved ro
       (the eager reduce of a data batch in `_maybe_symbolic_build`: the local batch is
       returned, as ours does; axis=0 reduces of scalar logs: reduced with axis=None, as
       ours does). At the very end it is tried as is (Keras 3.15 `fit` crashes before the
-      first step, FINDINGS 6; the error is recorded) and with the shim at spe 8 (it fails:
+      first step, tensorflow#72388; the error is recorded) and with the shim at spe 8 (it fails:
       keras-team/keras#19246).
     - "cluster_ours_1": ours, `hb.HeteroMultiWorkerMirroredStrategy`, B = 3 split [1, 1, 1]
       with spe 1 and 8, and (d) the breakdown of ours at [1, 1, 1], spe 1, by ablation in
@@ -73,7 +73,7 @@ Caps: the workers start uncapped (a 0.24-capped process needs ~20 s to import Te
 trace every configuration, and the launcher applies the caps `--cap-after` seconds after the
 start; the measured rounds begin 1 s later (the JSON says when each worker's warm-up ended).
 
-Emulation caveat (FINDINGS 11): a cgroup quota of a fraction of one core throttles the
+Emulation caveat: a cgroup quota of a fraction of one core throttles the
 single-threaded fixed work (Python, gRPC) as much as compute, and a throttled worker answers
 a collective only in its next 10 ms quota period; a real small machine runs that work at
 full speed. So this machine overstates slow workers' fixed costs.

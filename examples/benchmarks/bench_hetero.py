@@ -2,7 +2,7 @@
 
 Starts K workers on 127.0.0.1 with CPU caps (default 0.8/0.2: ratio 4:1, cgroup quota with a
 10 ms period) and trains `cnn --filters 32` at B=128 (per-sample compute outweighs the fixed
-per-step cost, FINDINGS 7). IN ONE CLUSTER RUN (`hetero_worker.py`, all phases in one
+per-step cost). IN ONE CLUSTER RUN (`hetero_worker.py`, all phases in one
 process, so conditions are equal), repeated `--repeats` rounds, interleaved:
 
 1. even split (the stock behaviour);

@@ -19,7 +19,8 @@
     split vs ours + `DynamicBatching(initial="uniform")` (its measurement collectives every
     10 steps and any split changes it makes), interleaved rounds in ONE cluster run. The stock
     `MultiWorkerMirroredStrategy` cannot be compared: Keras 3.15 `fit` crashes under it before
-    the first step (FINDINGS 6), so the multi-worker baseline is our strategy at the even split.
+    the first step (tensorflow#72388), so the multi-worker baseline is our strategy at the even
+    split.
 
 Goal: ratios <= 1.03.
 
@@ -39,7 +40,7 @@ import bench_common as bc  # noqa: E402
 
 GOAL = 1.03
 MWMS_NOTE = ("stock MultiWorkerMirroredStrategy: not measurable - Keras 3.15 `fit` crashes under "
-             "it before the first step (FINDINGS 6: eager reduce of the data batch in "
+             "it before the first step (tensorflow#72388: eager reduce of the data batch in "
              "_maybe_symbolic_build; axis=0 reduce of scalar logs), so the multi-worker "
              "baseline is HeteroMultiWorkerMirroredStrategy at the even split.")
 
@@ -300,7 +301,7 @@ def main(argv=None):
                      bc.fmt_stats(b["even"], digits=1), "ours + DynamicBatching",
                      bc.fmt_stats(b["dynamic"], digits=1), bc.fmt_stats(b["ratio"], digits=3)])
         rows.append(["(b) stock MultiWorkerMirroredStrategy", "-", "-", "-", "-",
-                     "n/a: Keras 3.15 fit crashes (FINDINGS 6)"])
+                     "n/a: Keras 3.15 fit crashes (tensorflow#72388)"])
     lines += bc.table(["setting", "baseline", "ms/step", "ours", "ms/step", "ratio ours/baseline"],
                       rows, ["---", "---", "---:", "---", "---:", "---:"])
     met = {}

@@ -2,8 +2,7 @@
 
 A cap of ``c`` CPUs lets a worker use at most ``c`` CPU-seconds per second of wall time,
 which emulates a slower machine. Only hard caps do that: ``nice`` and ``cpu.shares`` are
-work-conserving and give a synchronous worker the whole CPU while others wait
-(FINDINGS.md section 7).
+work-conserving and give a synchronous worker the whole CPU while others wait.
 
 Methods, in the order ``auto`` tries them:
 
