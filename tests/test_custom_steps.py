@@ -145,14 +145,24 @@ def _dense(strategy=None, regularize=False):
         return build()
 
 
-def test_custom_loop_scaled_by_the_global_batch_is_exact_and_timed(cpus):
+def global_batch_loss():
+    """TensorFlow's custom-loop tutorial's loss: per-example MSE scaled by the global batch."""
     per_example = keras.losses.MeanSquaredError(reduction="none")
 
     def loss(labels, predictions):
         return tf.nn.compute_average_loss(per_example(labels, predictions), global_batch_size=32)
+    return loss
 
+
+def one_device_reference():
+    """The dense model trained on one device on the custom loops' global batches."""
     ref = _dense()
     ref.fit(*custom_models.data(96), batch_size=32, epochs=1, shuffle=False, verbose=0)
+    return ref
+
+
+def test_custom_loop_scaled_by_the_global_batch_is_exact_and_timed(cpus):
+    loss, ref = global_batch_loss(), one_device_reference()
     strategy = hb.HeteroMirroredStrategy(cpus[:3])
     model = _dense(strategy)
     _custom_loop(strategy, model, loss, SPLIT)

@@ -237,16 +237,10 @@ def test_a_step_applying_two_optimizers_is_refused_under_bounds(cpus):
 def test_custom_loop_with_a_bounded_replica_is_exact(cpus):
     # TensorFlow's custom-loop guide (the loss scaled by the global batch): the returned
     # losses and the weights are those of the same loop without bounds, and one device's.
-    from test_custom_steps import SPLIT as CUSTOM_SPLIT, _custom_loop, _dense
-    import custom_models
+    from test_custom_steps import (SPLIT as CUSTOM_SPLIT, _custom_loop, _dense,
+                                   global_batch_loss, one_device_reference)
 
-    per_example = keras.losses.MeanSquaredError(reduction="none")
-
-    def loss(labels, predictions):
-        return tf.nn.compute_average_loss(per_example(labels, predictions), global_batch_size=32)
-
-    ref = _dense()
-    ref.fit(*custom_models.data(96), batch_size=32, epochs=1, shuffle=False, verbose=0)
+    loss, ref = global_batch_loss(), one_device_reference()
     plain = hb.HeteroMirroredStrategy(cpus[:3])
     expected = _custom_loop(plain, _dense(plain), loss, CUSTOM_SPLIT)
     strategy = hb.HeteroMirroredStrategy(cpus[:3])
