@@ -75,7 +75,17 @@ def test_two_workers_exact_with_a_switch_at_the_same_step(tmp_path):
 
     samples = [info["samples"] for _, info in outputs]
     assert samples[0] == samples[1]
-    # A value per worker gathered in the same collective as the times, in replica order.
+    # Every worker read every replica's measurements of each step, bit for bit the same
+    # (they travel in the step's all-reduce): compute seconds, samples, 1 step, and the
+    # previous step's cycle on every step but the first two of the fit (and of an epoch whose
+    # input pipeline starts anew: 2 epochs).
+    rows = [np.array(info["times"]) for _, info in outputs]
+    np.testing.assert_array_equal(rows[0], rows[1])
+    assert np.all(rows[0][:, :, 0] > 0) and np.all(rows[0][:, :, 2] == 1)
+    assert np.all(rows[0][:2, :, 4] == 0)
+    assert rows[0][:, :, 4].sum() >= 2 * (len(rows[0]) - 2 * 2)
+    assert np.all(rows[0][:, :, 3][rows[0][:, :, 4] == 1] > 0)
+    # A value per worker gathered in replica order.
     for _, info in outputs:
         assert info["extra"] == [[0.5, 1.5]] * len(samples[0])
     switch = 4 + DEFAULT_SWITCH_MARGIN
@@ -300,7 +310,9 @@ def test_layout_workers_hosting_different_numbers_of_replicas_train_exactly(
         first += count
         assert info["all_reduce"] == ("host" if "host" in extra else "device")
         # Per replica, in replica order: the samples of every step (the switch at the same
-        # step everywhere) and a value of each worker's own, gathered with them.
+        # step everywhere, every worker reading every replica's) and a value of each worker's
+        # own, gathered.
+        assert info["times"] == outputs[0][1]["times"]
         samples = info["samples"]
         assert all(s == [float(v) for v in sizes.split(",")] for s in samples[:switch_at])
         assert all(s == [float(v) for v in switch.split(",")] for s in samples[switch_at:])

@@ -30,15 +30,14 @@ def test_the_kind_is_a_property_not_a_guess(cpus):
     assert strategy.asynchronous is False and strategy.num_local_replicas == 2
 
 
-def test_times_and_values_come_in_one_read_in_replica_order(cpus):
+def test_gathered_values_come_in_replica_order(cpus):
     strategy = hb.HeteroMirroredStrategy(cpus[:3])
-    times, values = strategy.read_replica_times_and_gather([0.5, 1.5, 2.5], reset=True)
-    np.testing.assert_array_equal(values, [0.5, 1.5, 2.5])
-    assert times.num_replicas == 3
-    _, rows = strategy.read_replica_times_and_gather(np.ones((3, 2)))
-    assert rows.shape == (3, 2)
+    np.testing.assert_array_equal(strategy.gather_replica_values([0.5, 1.5, 2.5]),
+                                  [0.5, 1.5, 2.5])
+    assert strategy.gather_replica_values(np.ones((3, 2))).shape == (3, 2)
+    assert strategy.read_replica_times().num_replicas == 3
     with pytest.raises(ValueError, match=re.escape("one row per local replica (3)")):
-        strategy.read_replica_times_and_gather([1.0, 2.0])
+        strategy.gather_replica_values([1.0, 2.0])
 
 
 def test_the_built_in_controllers_are_controllers():

@@ -130,7 +130,14 @@ def test_read_replica_times_accumulates_and_resets(cpus):
     np.testing.assert_array_equal(times.steps, [3, 3])
     np.testing.assert_array_equal(times.samples_per_step, [12, 20])
     assert np.all(times.compute_seconds > 0)
+    # Step cycles, release to release, each carried by the next step's all-reduce: of 3 steps,
+    # the first closes none and the third's is carried by a later step. The cluster's step
+    # time is the longest replica's mean cycle.
+    np.testing.assert_array_equal(times.cycles, [1, 1])
+    assert times.step_time == pytest.approx(np.max(times.cycle_seconds))
+    assert np.all(times.cycle_time > 0)
     assert np.all(strategy.read_replica_times().steps == 0)
+    assert strategy.read_replica_times().step_time is None
 
 
 @pytest.mark.parametrize(

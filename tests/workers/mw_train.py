@@ -139,17 +139,18 @@ class SwitchAt(keras.callbacks.Callback):
     def __init__(self, strategy, at_step, sizes):
         super().__init__()
         self.strategy, self.at_step, self.sizes, self.step = strategy, at_step, sizes, 0
-        self.samples, self.extra = [], []
+        self.samples, self.extra, self.rows = [], [], []
 
     def on_train_batch_end(self, batch, logs=None):
         self.step += 1
-        # A collective on every worker; each worker's index (+ 0.5) rides along, as a
-        # worker's step time does for DynamicBatching.
-        index = self.strategy.cluster_resolver.task_id
-        times, extra = self.strategy.read_replica_times_and_gather(
-            [index + 0.5] * self.strategy.num_local_replicas, reset=True)
+        # Local: the step's all-reduce brought every replica's measurements to every worker.
+        times = self.strategy.read_replica_times(reset=True)
         self.samples.append(times.samples.tolist())
-        self.extra.append(extra.tolist())
+        self.rows.append(times.rows().tolist())
+        # A collective on every worker: each worker's index (+ 0.5), in replica order.
+        index = self.strategy.cluster_resolver.task_id
+        self.extra.append(self.strategy.gather_replica_values(
+            [index + 0.5] * self.strategy.num_local_replicas).tolist())
         if self.step == self.at_step:
             self.strategy.set_batch_sizes(self.sizes)  # collective, every worker
 
@@ -373,6 +374,7 @@ def main():
             {
                 "history": history.history,
                 "samples": switch.samples if args.switch_step else [],
+                "times": switch.rows if args.switch_step else [],
                 "extra": switch.extra if args.switch_step else [],
                 "batch_sizes": list(strategy.batch_sizes),
                 "chief": strategy.is_chief,

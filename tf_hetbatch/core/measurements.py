@@ -1,8 +1,8 @@
 """What the strategies measure, as plain values (numpy only, no TensorFlow import).
 
 - `ReplicaTimes`: per replica (or, in asynchronous training, per worker) the accumulated
-  compute seconds, samples and steps: what `read_replica_times` returns and the controllers
-  turn into throughputs. How the time is taken is in `tf_hetbatch.distribute.timing`.
+  compute seconds, samples and steps (and, in synchronous training, step cycles): what
+  `read_replica_times` returns and the controllers turn into throughputs and step times. How the time is taken is in `tf_hetbatch.distribute.timing`.
 - `Staleness`: per worker of asynchronous training, a histogram of how stale its updates were
   (`HeteroParameterServerStrategy.read_staleness`).
 - `at_split`, `straddles_switch`: the one rule for a measurement window around a switch of
@@ -24,27 +24,43 @@ __all__ = ["ReplicaTimes", "Staleness", "at_split", "straddles_switch"]
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaTimes:
-    """Accumulated per-replica compute measurements, in replica order.
+    """Accumulated per-replica measurements, in replica order.
 
     Attributes:
         compute_seconds: float64 [K], summed compute time of each replica.
         samples: float64 [K], summed actual samples each replica processed.
         steps: float64 [K], training steps each replica ran.
+        cycle_seconds: float64 [K], summed wall seconds of each replica's step cycles: from
+            one release by the step's all-reduce to the next (its input, compute, the wait for
+            slower replicas, the all-reduce and the host's work between steps). Zeros where
+            the strategy does not measure cycles (asynchronous training).
+        cycles: float64 [K], the cycles summed (a step after a pause starts none).
     """
 
     compute_seconds: np.ndarray
     samples: np.ndarray
     steps: np.ndarray
+    cycle_seconds: Optional[np.ndarray] = None
+    cycles: Optional[np.ndarray] = None
+
+    def __post_init__(self):
+        for name in ("cycle_seconds", "cycles"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros_like(self.compute_seconds))
 
     @classmethod
     def from_rows(cls, rows) -> "ReplicaTimes":
-        """From a [K, 3] array of (compute seconds, samples, steps) rows."""
-        rows = np.asarray(rows, dtype=np.float64).reshape(-1, 3)
-        return cls(rows[:, 0], rows[:, 1], rows[:, 2])
+        """From a [K, 3] array of (compute seconds, samples, steps) rows, or a [K, 5] one
+        with (cycle seconds, cycles) after them."""
+        rows = np.asarray(rows, dtype=np.float64)
+        rows = rows.reshape(-1, 5 if rows.ndim == 2 and rows.shape[1] == 5 else 3)
+        return cls(*(rows[:, i] for i in range(rows.shape[1])))
 
     def rows(self) -> np.ndarray:
-        """float64 [K, 3]: (compute seconds, samples, steps) per replica."""
-        return np.stack([self.compute_seconds, self.samples, self.steps], axis=1)
+        """float64 [K, 5]: (compute seconds, samples, steps, cycle seconds, cycles) per
+        replica."""
+        return np.stack([self.compute_seconds, self.samples, self.steps, self.cycle_seconds,
+                         self.cycles], axis=1)
 
     @property
     def num_replicas(self) -> int:
@@ -53,30 +69,38 @@ class ReplicaTimes:
     @property
     def time_per_step(self) -> np.ndarray:
         """Mean compute seconds per step of each replica (NaN where no step ran)."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self.steps > 0, self.compute_seconds / self.steps, np.nan)
+        return _mean(self.compute_seconds, self.steps)
 
     @property
     def samples_per_step(self) -> np.ndarray:
         """Mean samples per step of each replica (NaN where no step ran)."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self.steps > 0, self.samples / self.steps, np.nan)
+        return _mean(self.samples, self.steps)
 
     @property
     def throughput(self) -> np.ndarray:
         """Samples per compute second of each replica (NaN where nothing was timed)."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(
-                self.compute_seconds > 0, self.samples / self.compute_seconds, np.nan
-            )
+        return _mean(self.samples, self.compute_seconds)
+
+    @property
+    def cycle_time(self) -> np.ndarray:
+        """Mean wall seconds per step cycle of each replica (NaN where none was measured)."""
+        return _mean(self.cycle_seconds, self.cycles)
+
+    @property
+    def step_time(self) -> Optional[float]:
+        """The cluster's mean step time: the longest replica's mean cycle; None where no cycle
+        was measured. In synchronous training every worker reads the same value (the cycles
+        travel in the step's all-reduce)."""
+        measured = self.cycle_time[self.cycles > 0]
+        return float(np.max(measured)) if measured.size else None
 
     def __sub__(self, other: "ReplicaTimes") -> "ReplicaTimes":
-        return ReplicaTimes(
-            self.compute_seconds - other.compute_seconds,
-            self.samples - other.samples,
-            self.steps - other.steps,
-        )
+        return ReplicaTimes.from_rows(self.rows() - other.rows())
 
+
+def _mean(total: np.ndarray, count: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, total / count, np.nan)
 
 
 @dataclasses.dataclass(frozen=True)

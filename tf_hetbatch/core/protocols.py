@@ -76,8 +76,9 @@ class SplitStrategy(Protocol):
         """Sets the split from now on (collective in synchronous multi-worker training)."""
 
     def read_replica_times(self, reset: bool = False) -> "ReplicaTimes":
-        """Per-part compute seconds, samples and steps so far (`reset`: the next read covers
-        later steps only). Collective in synchronous multi-worker training."""
+        """Per-part compute seconds, samples and steps so far, and in synchronous training
+        the step cycles (`reset`: the next read covers later steps only). Local: every
+        worker of synchronous training reads every replica's values."""
 
     def restart_step_clock(self) -> None:
         """Times each part's next step from its inputs, not from the end of a pause."""
@@ -107,11 +108,6 @@ class SynchronousSplitStrategy(SplitStrategy, Protocol):
 
     def gather_replica_values(self, local_values: Any) -> "np.ndarray":
         """All replicas' values in replica order from this process's (collective)."""
-
-    def read_replica_times_and_gather(
-            self, local_values: Any, reset: bool = False) -> Tuple["ReplicaTimes", "np.ndarray"]:
-        """`read_replica_times(reset)` and `gather_replica_values(local_values)` (one value
-        per local replica) in one collective."""
 
     def check_input_agreement(self) -> None:
         """Raises RuntimeError unless every worker trained the same global batches

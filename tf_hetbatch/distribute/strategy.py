@@ -163,13 +163,19 @@ class HeteroMixin(micro_batches.LimitsMixin):
 
     # ----------------------------------------------------------------- timing ------------------
     def read_replica_times(self, reset: bool = False) -> ReplicaTimes:
-        """Per-replica compute time, samples and steps accumulated by training steps.
+        """Per-replica compute time, samples, steps and step cycles accumulated by training
+        steps.
 
         Compute time runs from a replica's step start to its local gradients being ready,
         before the all-reduce: its own work per step, without waiting for others. The step
         starts when the replica's inputs are there on one host, and when the previous
-        all-reduce released the replica across workers (see `tf_hetbatch.distribute.timing`). Read
-        between steps (e.g. from a callback).
+        all-reduce released the replica across workers. A step cycle runs from one release to
+        the next: the step as the cluster lives it (`ReplicaTimes.step_time`). See
+        `tf_hetbatch.distribute.timing`. Read between steps (e.g. from a callback).
+
+        The measurements travel in each step's all-reduce, so every process holds every
+        replica's: a read is local (no collective), and workers that read after the same
+        step read the same values.
 
         Args:
             reset: if True, subtract what was read, so the next read covers only later steps.
@@ -177,42 +183,10 @@ class HeteroMixin(micro_batches.LimitsMixin):
         Returns:
             `ReplicaTimes` over all replicas in sync, in replica order.
         """
-        return self._read_times(reset, None)[0]
-
-    def read_replica_times_and_gather(
-            self, local_values, reset: bool = False) -> Tuple[ReplicaTimes, np.ndarray]:
-        """`read_replica_times(reset)` and `gather_replica_values(local_values)` at once.
-
-        The values are gathered in the same collective as the times, so a callback that needs
-        another per-replica value at the same point (e.g. each worker's step time, as
-        `DynamicBatching` does) costs the cluster one collective, not two. In multi-worker
-        training every worker must call it at the same point.
-
-        Args:
-            local_values: float array [num_local_replicas] (or [num_local_replicas, n]).
-            reset: as for `read_replica_times`.
-
-        Returns:
-            (`ReplicaTimes` over all replicas, float64 array [num_replicas_in_sync] (or
-            [num_replicas_in_sync, n]) of the values in replica order).
-
-        Raises:
-            ValueError: `local_values` has not one row per local replica.
-        """
-        return self._read_times(reset, self._local_rows(local_values))
-
-    def _read_times(self, reset, local_values):
-        """(`ReplicaTimes`, the gathered `local_values` or None): one collective."""
-        local = self._timing.read_local()
+        times = self._timing.read()
         if reset:
-            self._timing.subtract_local(local)
-        rows = local.rows()
-        if local_values is None:
-            return ReplicaTimes.from_rows(self._topology.gather(rows)), None
-        extra = local_values.reshape(rows.shape[0], -1)
-        gathered = self._topology.gather(np.concatenate([rows, extra], axis=1))
-        values = gathered[:, 3:].reshape((gathered.shape[0],) + local_values.shape[1:])
-        return ReplicaTimes.from_rows(gathered[:, :3]), values
+            self._timing.subtract(times)
+        return times
 
     def restart_step_clock(self) -> None:
         """Times the next step of each replica from its inputs being ready, not from its release.

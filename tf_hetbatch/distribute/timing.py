@@ -1,4 +1,4 @@
-"""Per-replica compute time: the accumulators; the values read are `ReplicaTimes`.
+"""Per-replica compute time and step cycles: the accumulators; the values read are `ReplicaTimes`.
 
 Each training step, every replica records the time from the start of its step to its local
 gradients being ready, before the gradient all-reduce: the time it would take alone, which
@@ -11,40 +11,59 @@ synchronous training hides behind the slowest replica. Where the step starts:
   (Keras's step overhead, the optimizer update, the input fetch: on a throttled machine these
   are throttled as well), while the time it waited for slower workers does not. The first step
   after `reset_clock()` (each new input pipeline, each epoch) starts at its inputs instead.
-Times, actual sample counts and step counts accumulate on each replica's device in one ON_READ
-variable; Python reads them between steps (`HeteroMirroredStrategy.read_replica_times`). The
-stamps and the record are side ops: no part of the step waits for them.
+Each replica also records its step cycle: the wall time from one release to the next, the
+whole step as the cluster lives it (the first step after `reset_clock()` closes none).
+
+The records travel in the step's gradient all-reduce: each replica adds a [K, 5] float32 table
+that is zero except its own row (compute seconds, samples, 1 step, its previous cycle's
+seconds, 1 if it had one), so the sum, the same on every replica of every worker and exact
+(each entry is one value plus zeros), holds every replica's row. Every replica adds the sum to
+its copy of one ON_READ float64 [K, 5] variable; Python reads this process's first copy between
+steps (`HeteroMirroredStrategy.read_replica_times`): every worker reads the whole cluster's
+measurements without a collective of its own. The stamps and the records are side ops: no part
+of the step waits for them; the table adds K * 5 floats to the all-reduce.
 """
 
 import tensorflow as tf
 
 from tf_hetbatch.core.measurements import ReplicaTimes
 
+# Columns of a replica's row: compute seconds, samples, steps, cycle seconds, cycles.
+_COLUMNS = 5
+
 
 class TimingAccumulators:
-    """The three ON_READ SUM variables (seconds, samples, steps) of one strategy."""
+    """The timing variables of one strategy: the cluster's [K, 5] totals (ON_READ, one copy
+    per local replica, identical) and each replica's last release and cycle."""
 
     def __init__(self, strategy, num_local_replicas, from_release=False):
         self._strategy = strategy
         self._num_local = num_local_replicas
         self.from_release = from_release
+        num = strategy.num_replicas_in_sync
+        self._num_replicas = num
         with strategy.scope():
-            # One vector per replica: (compute seconds, samples, steps), one add per step.
             self._totals = tf.Variable(
-                tf.zeros([3], tf.float64),
-                trainable=False,
-                synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=tf.VariableAggregation.SUM,
-                name="hetbatch_replica_totals",
-            )
-            # When the last gradient all-reduce released each replica (0: not yet).
-            self._release = tf.Variable(
-                tf.zeros([], tf.float64),
+                tf.zeros([num, _COLUMNS], tf.float64),
                 trainable=False,
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-                name="hetbatch_release_time",
+                name="hetbatch_replica_totals",
             )
+            # When the last gradient all-reduce released each replica (0: not yet), and the
+            # seconds from the release before it (0: none).
+            self._release = self._local_scalar("hetbatch_release_time")
+            self._cycle = self._local_scalar("hetbatch_step_cycle")
+
+    @staticmethod
+    def _local_scalar(name):
+        return tf.Variable(
+            tf.zeros([], tf.float64),
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            name=name,
+        )
 
     def step_start(self, inputs_ready):
         """Replica context: the step's start, the previous release if there is one."""
@@ -53,43 +72,52 @@ class TimingAccumulators:
         previous = self._release.read_value()
         return tf.where(previous > 0, previous, inputs_ready)
 
+    def row(self, seconds, samples):
+        """Replica context: this replica's [K, 5] float32 table of the step (zero except its
+        row), to be summed in the step's all-reduce and passed to `record`."""
+        cycle = self._cycle.read_value()
+        values = tf.cast(tf.stack([
+            tf.cast(seconds, tf.float64),
+            tf.cast(samples, tf.float64),
+            tf.constant(1.0, tf.float64),
+            cycle,
+            tf.cast(cycle > 0, tf.float64),
+        ]), tf.float32)
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        slot = tf.one_hot(replica, self._num_replicas, dtype=tf.float32)
+        return slot[:, None] * values[None, :]
+
+    def record(self, summed_rows):
+        """Replica context: adds the step's summed table (every replica's row)."""
+        return self._totals.assign_add(tf.cast(summed_rows, tf.float64))
+
     def record_release(self, reduced):
-        """Replica context: stamps the release once the all-reduced gradients are there."""
-        if not self.from_release:
-            return reduced
+        """Replica context: stamps the release once the all-reduced values are there, and the
+        cycle since the previous release."""
         ready = [t for t in tf.nest.flatten(reduced, expand_composites=True) if t is not None]
         with tf.control_dependencies(ready):
             now = tf.timestamp()
-        # Nothing waits for the record (a stateful op the step runs anyway): the update
+        # Nothing waits for the records (stateful ops the step runs anyway): the update
         # after the all-reduce gets no extra barrier.
+        previous = self._release.read_value()
+        self._cycle.assign(tf.where(previous > 0, now - previous, tf.zeros_like(now)))
         self._release.assign(now)
         return reduced
 
     def reset_clock(self):
-        """Eager: the next step of each replica starts when its inputs are ready."""
-        for local in self._strategy.experimental_local_results(self._release):
-            local.assign(0.0)
+        """Eager: the next step of each replica starts when its inputs are ready, and closes
+        no cycle."""
+        for variable in (self._release, self._cycle):
+            for local in self._strategy.experimental_local_results(variable):
+                local.assign(0.0)
 
-    def record(self, seconds, samples):
-        """In replica context: adds one step of this replica."""
-        return self._totals.assign_add(
-            tf.stack(
-                [
-                    tf.cast(seconds, tf.float64),
-                    tf.cast(samples, tf.float64),
-                    tf.constant(1.0, tf.float64),
-                ]
-            )
-        )
+    def read(self) -> ReplicaTimes:
+        """Eagerly reads every replica's totals (this process's copy: no collective)."""
+        first = self._strategy.experimental_local_results(self._totals)[0]
+        return ReplicaTimes.from_rows(first.numpy())
 
-    def read_local(self) -> ReplicaTimes:
-        """Eagerly reads this process's replicas, in local replica order."""
-        return ReplicaTimes.from_rows(
-            [v.numpy() for v in self._strategy.experimental_local_results(self._totals)]
-        )
-
-    def subtract_local(self, times: ReplicaTimes):
+    def subtract(self, times: ReplicaTimes):
         """Removes what was read, keeping anything recorded since (a step may be in flight)."""
-        locals_ = self._strategy.experimental_local_results(self._totals)
-        for local, row in zip(locals_, times.rows()):
-            local.assign_sub(row)
+        rows = times.rows()
+        for local in self._strategy.experimental_local_results(self._totals):
+            local.assign_sub(rows)

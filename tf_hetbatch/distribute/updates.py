@@ -46,13 +46,7 @@ def adapt_optimizer(optimizer) -> None:
         return _apply_replica_gradients(step, optimizer, original_apply, grads,
                                         trainable_variables)
 
-    def on_reduced(grads_and_vars):
-        step = current_step()
-        if step is None or step.timing is None:
-            return grads_and_vars
-        return step.timing.record_release(grads_and_vars)
-
-    collectives.wrap_gradient_all_reduce(optimizer, on_reduced)
+    collectives.wrap_gradient_all_reduce(optimizer)
     apply.__doc__ = original_apply.__doc__
     optimizer.apply = apply
     optimizer._tf_hetbatch_adapted = True
@@ -75,9 +69,9 @@ def _apply_replica_gradients(step, optimizer, original_apply, grads, trainable_v
         step.held = (grads, lambda summed: _apply_summed(
             optimizer, original_apply, summed, trainable_variables))
         return None  # applied by finish_step, after the step's one all-reduce
-    summed = _sum_present(grads)
-    if step.timing is not None:
-        summed = step.timing.record_release(summed)
+    present = [g for g in grads if g is not None]
+    summed = iter(_sum_with_timing(step, present))
+    summed = [None if g is None else next(summed) for g in grads]
     return _apply_summed(optimizer, original_apply, summed, trainable_variables)
 
 
@@ -101,11 +95,15 @@ def _apply_summed(optimizer, original_apply, summed, trainable_variables):
         return original_apply(summed, trainable_variables)
 
 
-def _sum_present(grads, after_every_local_replica=False):
-    """`grads` summed across replicas (None entries kept)."""
-    present = [g for g in grads if g is not None]
-    summed = iter(sum_across_replicas(present, after_every_local_replica))
-    return [None if g is None else next(summed) for g in grads]
+def _sum_with_timing(step, values, after_every_local_replica=False):
+    """Replica context: `values` summed across replicas; the step's first sum also carries the
+    replica's timing table (`timing`), records it and stamps the release."""
+    row, step.timing_row = step.timing_row, None
+    if row is None:
+        return sum_across_replicas(values, after_every_local_replica)
+    summed = sum_across_replicas(values + [row], after_every_local_replica)
+    step.timing.record(summed[-1])
+    return step.timing.record_release(summed[:-1])
 
 
 def finish_step(step: ReplicaStep, model, outputs):
@@ -122,10 +120,8 @@ def finish_step(step: ReplicaStep, model, outputs):
     metric_values = metrics.summable_metric_variables(model.metrics)
     locals_ = [tf.identity(v) for v in metric_values] if metric_values is not None else []
     dense = [g for g in grads if g is not None]
-    summed = sum_across_replicas(dense + locals_, step.micro_batched)
+    summed = _sum_with_timing(step, dense + locals_, step.micro_batched)
     summed_grads, sums = summed[:len(dense)], summed[len(dense):]
-    if step.timing is not None:
-        summed_grads = step.timing.record_release(summed_grads)
     summed_grads = iter(summed_grads)
     apply_summed([None if g is None else next(summed_grads) for g in grads])
     if metric_values is None:
@@ -176,16 +172,17 @@ def _after_every_local_replica(ctx, values):
 
 
 def _timed_gradients(step, grads):
-    """Records the replica's compute time once its local gradients are ready.
+    """Stamps the replica's compute time once its local gradients are ready: its timing table
+    (`timing`) waits in `step.timing_row` for the step's first all-reduce.
 
-    The record is a stateful op the step runs anyway; the gradients do not wait for it, so
-    timing adds no barrier before the all-reduce.
+    The all-reduce waits for the stamp only (taken once the gradients are there): timing adds
+    no barrier before it.
     """
     ready = [g for g in tf.nest.flatten(grads, expand_composites=True) if g is not None]
     with tf.control_dependencies(ready):
         end_time = tf.timestamp()
     start_time = step.timing.step_start(step.start_time)
-    step.timing.record(end_time - start_time, step.samples)
+    step.timing_row = step.timing.row(end_time - start_time, step.samples)
     return grads
 
 

@@ -109,7 +109,9 @@ class ReplicaStep:
     capture: Optional[List["CapturedApply"]] = None
     micro_batched: bool = False
     micro_batch_count: Optional[tf.Tensor] = None
-    timed: bool = False  # the replica's compute time is recorded (once per step)
+    timed: bool = False  # the replica's compute time is stamped (once per step)
+    # Its timing table (`timing.TimingAccumulators.row`), until the step's first sum carries it.
+    timing_row: Optional[tf.Tensor] = None
 
     def share(self, mode):
         if self.shares is None:

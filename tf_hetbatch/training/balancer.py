@@ -87,7 +87,7 @@ class Balancer(tf.train.experimental.PythonState):
        before the new split was surely in force is used only if every replica's samples/step
        equals the new split (`tf_hetbatch.core.measurements.straddles_switch`). `update`
        also gets `step_time=`: in synchronous training the window's mean step time (the
-       slowest worker's, gathered with the times in one collective), else None. The
+       cluster's step cycle, `ReplicaTimes.step_time`: the same on every worker), else None. The
        built-in controllers then refine the split their model settled on by trying
        neighbouring splits and keeping a measurably faster one (`step_time_search`), and go
        back from a move of their model that the step time shows slower, since compute
@@ -484,7 +484,9 @@ class Balancer(tf.train.experimental.PythonState):
         else:
             used = True
             self._control(strategy, sizes, secs, measured.cluster_step_time)
-        self._log_window(sizes, secs, measured.step_time, used)
+        step_time = measured.cluster_step_time
+        self._log_window(sizes, secs, measured.step_time if step_time is None else step_time,
+                         used)
         if measured.staleness is not None:  # asynchronous training
             self._log_staleness(measured.staleness)
 

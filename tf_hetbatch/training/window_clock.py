@@ -4,12 +4,12 @@ A window clock per `fit`: the first `warmup_steps` steps (tracing; in asynchrono
 also until every worker finished 2 updates) are not measured; then each window counts
 training steps (several per Keras call with `steps_per_execution`) and ends at the first
 call at least `length` steps after it started. At its end the strategy's per-part
-measurements over the window are read, with the window's mean step time: in synchronous
-training the slowest worker's, gathered in the same collective as the times, so every worker
-gets the same value; in asynchronous training also the workers' staleness.
+measurements over the window are read: in synchronous training with the cluster's mean step
+time (`ReplicaTimes.step_time`, carried in the steps' all-reduce, so every worker reads the
+same value without a collective); in asynchronous training with the workers' staleness.
 
-Multi-worker: starting and ending a window are collectives; the clock counts steps, which
-are the same on every worker, so every worker starts and ends each window at the same step.
+Multi-worker: the clock counts steps, which are the same on every worker, so every worker
+starts and ends each window at the same step and reads the same measurements.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ class WindowMeasurement:
         steps: training steps in the window.
         times: the strategy's per-part measurements over the window.
         step_time: this process's mean wall seconds per step (from Keras's batch hooks).
-        cluster_step_time: synchronous training: the slowest worker's `step_time`, the
-            same on every worker; None in asynchronous training.
+        cluster_step_time: synchronous training: the cluster's mean step cycle
+            (`ReplicaTimes.step_time`), the same on every worker; None in asynchronous
+            training, or where no cycle was measured.
         staleness: asynchronous training: the staleness of the window's updates
             (`Staleness`); None in synchronous training.
     """
@@ -101,7 +102,7 @@ class WindowClock:
         return bool(np.min(done) >= ASYNC_WARM_UPDATES)
 
     def _start(self) -> None:
-        # Drops what the warm-up steps accumulated (a collective: same step on every worker).
+        # Drops what the warm-up steps accumulated (the same step on every worker).
         self._strategy.read_replica_times(reset=True)
         if self._strategy.asynchronous:
             self._strategy.read_staleness(reset=True)
@@ -115,13 +116,8 @@ class WindowClock:
         step_time = self._wall / steps
         self._steps = 0
         self._wall = 0.0
+        times = strategy.read_replica_times(reset=True)
         if strategy.asynchronous:
-            times = strategy.read_replica_times(reset=True)
             return WindowMeasurement(steps, times, step_time, None,
                                      strategy.read_staleness(reset=True))
-        # A controller's step-time search needs the same value on every worker: the slowest
-        # worker's mean step, gathered with the times (one collective, at the same step on
-        # every worker).
-        local = np.full(strategy.num_local_replicas, step_time)
-        times, walls = strategy.read_replica_times_and_gather(local, reset=True)
-        return WindowMeasurement(steps, times, step_time, float(np.max(walls)), None)
+        return WindowMeasurement(steps, times, step_time, times.step_time, None)

@@ -61,8 +61,9 @@ def warn_if_second_multi_worker_strategy(num_workers: int) -> None:
 # flag is a trace-time count on the optimizer, not thread-local state, because a
 # LossScaleOptimizer under MirroredStrategy reaches the all-reduce in new replica threads
 # (`merge_call`, then `call_for_each_replica`).
-def wrap_gradient_all_reduce(optimizer, on_reduced):
-    """Wraps `optimizer`'s all-reduce so `on_reduced(reduced_grads)` runs in replica context."""
+def wrap_gradient_all_reduce(optimizer):
+    """Wraps `optimizer`'s all-reduce so it passes gradients on unchanged while
+    `gradients_already_reduced` holds (and sums them as before otherwise)."""
     target = getattr(optimizer, "inner_optimizer", optimizer)
     original = getattr(target, "_all_reduce_sum_gradients", None)
     if original is None or getattr(target, "_tf_hetbatch_reduce_wrapped", False):
@@ -71,8 +72,7 @@ def wrap_gradient_all_reduce(optimizer, on_reduced):
     def all_reduce_sum_gradients(grads_and_vars):
         if getattr(target, "_tf_hetbatch_reduced", 0):
             return list(grads_and_vars)
-        reduced = original(grads_and_vars)
-        return on_reduced(list(reduced))
+        return original(grads_and_vars)
     target._all_reduce_sum_gradients = all_reduce_sum_gradients
     target._tf_hetbatch_reduce_wrapped = True
     target._tf_hetbatch_reduced = 0
