@@ -169,6 +169,35 @@ def test_out_of_memory_step_runs_again_with_a_lower_bound(cpus, caplog, limits, 
         assert mine["mae"] == pytest.approx(theirs["mae"], rel=1e-5)
 
 
+def test_a_lowered_bound_is_kept_by_a_checkpoint_and_resumed(cpus, caplog, tmp_path):
+    # Epoch 1 lowers replica 1's bound (a step out of memory); the run is restarted from its
+    # checkpoint with the bounds it sets at start: the lowered bound comes back, no step runs
+    # out of memory again, and the two halves equal one device's two epochs.
+    x, y = regression_data(n=320)
+    ref, _, ref_hist = _reference(x, y, epochs=2)
+    said = []
+    for epoch in (0, 1):
+        strategy = hb.HeteroMirroredStrategy(cpus[:3])
+        strategy.set_batch_sizes(SPLIT)
+        strategy.set_micro_batch_limits([None, None, None])
+        with strategy.scope():
+            ours = failing_model(replica=1, size=5)
+        ckpt = hb.ResumableCheckpoint(tmp_path / "ckpt")
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            assert ckpt.restore(ours) == epoch
+            hist = ours.fit(x, y, batch_size=32, epochs=epoch + 1, initial_epoch=epoch,
+                            shuffle=False, verbose=0, callbacks=[ckpt])
+        said.append([r.getMessage() for r in caplog.records])
+        assert strategy.micro_batch_limits == (None, 4, None)
+        assert hist.history["loss"] == pytest.approx(ref_hist.history["loss"][epoch:epoch + 1],
+                                                     rel=1e-5)
+    assert sum("ran out of memory" in line for line in said[0]) == 2
+    assert not any("ran out of memory" in line for line in said[1])
+    assert any("micro-batch bounds it saved: [None, 4, None]" in line for line in said[1])
+    assert max_weight_diff(ref, ours) <= TOL
+
+
 def test_dynamic_batching_balances_bounded_replicas_exactly(cpus):
     # Every replica bounded at 16 samples: the balanced split (48, 24, 12) for costs 1:2:4
     # is reached all the same (replica 0 in 3 micro-batches, replica 1 in 2), and the run
@@ -348,6 +377,28 @@ def test_the_replica_of_an_out_of_memory_error_is_read_from_its_device(cpus):
     assert out_of_memory.replica_of_error(strategy, other) is None
     assert out_of_memory.micro_batch_size(18, 12) == 9
     assert out_of_memory.micro_batch_size(18, None) == 18
+
+
+def test_a_lowered_bound_halves_the_share_the_failed_step_had(cpus, caplog):
+    # A step in flight after a switch still has its old share (18 samples on replica 1) while
+    # `batch_sizes` says 1: the bound is half the micro-batch that failed (9), not of the new
+    # share (1 sample: no bound could help, and the run would end).
+    from tf_hetbatch.distribute import out_of_memory
+
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_micro_batch_limits([None, None, None])
+    strategy.set_batch_sizes([8, 1, 23])
+    shares = [8, 18, 6]
+    data = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.zeros([shares[ctx.replica_id_in_sync_group], 8]))
+    error = tf.errors.ResourceExhaustedError(
+        None, None, "OOM when allocating tensor with shape[1099511627776] and type float on "
+        "/job:localhost/replica:0/task:0/device:CPU:1 by allocator mklcpu")
+    guard = out_of_memory.StepGuard(strategy, keras.Sequential([keras.Input((8,))]))
+    with caplog.at_level("WARNING"):
+        assert guard._lower_bound(error, data)
+    assert strategy.micro_batch_limits == (None, 9, None)
+    assert "Replica 1 " in caplog.text and "bound is now 9 samples" in caplog.text
 
 
 # --------------------------------------------------------------------- two workers ------------

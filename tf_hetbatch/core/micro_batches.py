@@ -23,7 +23,8 @@ from numpy.typing import ArrayLike
 
 from tf_hetbatch.core._validate import format_value
 
-__all__ = ["Limits", "check_limits", "micro_batch_counts", "limits_array", "lowered_limit"]
+__all__ = ["Limits", "check_limits", "micro_batch_counts", "limits_array", "lowered_limit",
+           "resumed_limits"]
 
 # One bound per replica: an int >= 1, or None for no bound.
 Limits = Tuple[Optional[int], ...]
@@ -99,3 +100,21 @@ def lowered_limit(micro_batch_size: int) -> Optional[int]:
     bound can help)."""
     size = int(micro_batch_size)
     return None if size <= 1 else size // 2
+
+
+def resumed_limits(current: Optional[Limits], saved: Optional[Sequence[Optional[int]]]
+                   ) -> Optional[Limits]:
+    """The bounds to resume with: per replica the lower of the bounds set now and those
+    saved with the checkpoint (lowered when a step ran out of memory), None meaning no bound.
+
+    A run that sets no bounds (`current` None) keeps none: whether steps compute in
+    micro-batches is the run's choice, made before its steps are traced.
+
+    Example:
+        >>> resumed_limits((None, 12, None), (None, 4, 8))
+        (None, 4, 8)
+    """
+    if current is None or saved is None or len(saved) != len(current):
+        return current
+    return tuple(b if a is None else a if b is None else min(int(a), int(b))
+                 for a, b in zip(current, saved))

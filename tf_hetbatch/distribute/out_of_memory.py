@@ -80,7 +80,8 @@ class StepGuard:
         self._model = model
         self._read_metrics = (None, None)  # (ids of the variables, the traced read)
 
-    def __call__(self, run_step: Callable):
+    def __call__(self, run_step: Callable, data=None):
+        """Runs `run_step()` (the step on `data`, its distributed batch) until it fits."""
         variables = list(self._model.metrics_variables)
         optimizer = getattr(self._model, "optimizer", None)
         if optimizer is not None:
@@ -92,7 +93,7 @@ class StepGuard:
             try:
                 return run_step()
             except tf.errors.ResourceExhaustedError as error:
-                if not self._lower_bound(error):
+                if not self._lower_bound(error, data):
                     raise
                 for variable, value in zip(variables, saved):
                     variable.assign(value)
@@ -106,15 +107,15 @@ class StepGuard:
             self._read_metrics = ([id(v) for v in variables], read)
         return read()
 
-    def _lower_bound(self, error) -> bool:
+    def _lower_bound(self, error, data) -> bool:
         """Lowers the bound of the replica `error` names; False when nothing can help."""
         strategy = self._strategy
         replica = replica_of_error(strategy, error)
-        sizes = strategy.batch_sizes
-        if replica is None or sizes is None:
+        share = None if replica is None else _share(strategy, data, replica)
+        if share is None:
             return False
         limits = strategy.micro_batch_limits or (None,) * strategy.num_replicas_in_sync
-        tried = micro_batch_size(sizes[replica], limits[replica])
+        tried = micro_batch_size(share, limits[replica])
         if limits[replica] is not None:
             tried = min(tried, limits[replica])
         lowered = _core.lowered_limit(tried)
@@ -125,3 +126,16 @@ class StepGuard:
             "Replica %d ran out of memory in a training step (nothing was applied): its "
             "micro-batch bound is now %d samples, and the step runs again.", replica, lowered)
         return True
+
+
+def _share(strategy, data, replica: int) -> Optional[int]:
+    """The samples `replica` (local, one host) got in the step's batch `data`: its actual
+    share, which a switch of split reaches a few steps after `strategy.batch_sizes`; the
+    split set where the batch does not say."""
+    for leaf in tf.nest.flatten(data):
+        if isinstance(leaf, tf.distribute.DistributedValues):
+            part = strategy.experimental_local_results(leaf)[replica]
+            if part.shape.rank:
+                return int(part.shape[0])
+    sizes = strategy.batch_sizes
+    return None if sizes is None else int(sizes[replica])

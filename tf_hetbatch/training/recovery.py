@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import keras
 import numpy as np
 
+from tf_hetbatch.core import micro_batches as _micro_batches
 from tf_hetbatch.core._validate import check_int
 from tf_hetbatch.distribute import keras_fit
 from tf_hetbatch.distribute.strategy import StepCounter, hetero_strategy_of
@@ -49,7 +50,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     (`strategy.steps_trained`), at the end of each epoch, and on a preemption notice. A
     checkpoint is one TensorFlow checkpoint `<directory>/ckpt-<step>` holding the model, its
     optimizer and the run's position (global step, epoch, batches done in it, the split
-    `strategy.batch_sizes`, the replica count, `dynamic_batching.get_state()`), written
+    `strategy.batch_sizes`, the replica count, `dynamic_batching.get_state()`, the memory
+    bounds `strategy.micro_batch_limits`: a resumed run keeps a bound a step out of memory
+    lowered, where it is below the bound it sets), written
     atomically by `tf.train.CheckpointManager`, which keeps the newest `keep`. Any
     `tf.io.gfile` path works: a shared file system, `gs://`, `s3://` (tensorflow-io),
     `ram://`. The decision to save depends only on the step count, so every worker takes it at
@@ -387,6 +390,19 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         state = position.dynamic_batching
         if keep_state and self.dynamic_batching is not None and state is not None:
             self.dynamic_batching.set_state(state)
+        if keep_state:
+            self._restore_limits(strategy, position.micro_batch_limits, where)
+
+    @staticmethod
+    def _restore_limits(strategy, saved, where):
+        """Memory bounds a step out of memory lowered before the checkpoint stay lowered."""
+        current = strategy.micro_batch_limits
+        limits = _micro_batches.resumed_limits(current, saved)
+        if limits != current:
+            strategy.set_micro_batch_limits(limits)  # the same on every worker
+            if strategy.is_chief:
+                logger.info("Resumed from %s with the micro-batch bounds it saved: %s (set: "
+                            "%s).", where, list(limits), list(current))
 
     def _save(self, epoch: int, batch: int) -> None:
         strategy = self._strategy
@@ -399,7 +415,8 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             num_parts=int(strategy.num_parts),
             batch_sizes=None if sizes is None else tuple(int(s) for s in sizes),
             dynamic_batching=None if self.dynamic_batching is None
-            else self.dynamic_batching.get_state())
+            else self.dynamic_batching.get_state(),
+            micro_batch_limits=strategy.micro_batch_limits)
         path = self._store_for(self.model).save(position)
         self._wrote = True
         logger.debug("Checkpoint %s written.", path)

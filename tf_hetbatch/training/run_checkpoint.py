@@ -60,6 +60,8 @@ class RunPosition:
         num_parts: replicas (fit) or workers (async) when saved; None where an earlier
             format did not say (then the split's length, else the count now).
         batch_sizes: the split when saved, or None (the even split).
+        micro_batch_limits: synchronous training: the replicas' memory bounds when saved
+            (including those lowered by a step out of memory), or None (none set).
         dynamic_batching: `DynamicBatching` state: fit one `get_state()` dict or None; async a
             list, one per `DynamicBatching` callback.
     """
@@ -71,13 +73,16 @@ class RunPosition:
     num_parts: Optional[int]
     batch_sizes: Optional[Tuple[int, ...]] = None
     dynamic_batching: Any = None
+    micro_batch_limits: Optional[Tuple[Optional[int], ...]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON-ready dict saved in the checkpoint (with "format": `STATE_FORMAT`)."""
         return {"format": STATE_FORMAT, "trainer": self.trainer, "step": self.step,
                 "epoch": self.epoch, "batch": self.batch,
                 "batch_sizes": None if self.batch_sizes is None else list(self.batch_sizes),
-                "num_parts": self.num_parts, "dynamic_batching": self.dynamic_batching}
+                "num_parts": self.num_parts, "dynamic_batching": self.dynamic_batching,
+                "micro_batch_limits": None if self.micro_batch_limits is None
+                else list(self.micro_batch_limits)}
 
     @classmethod
     def from_dict(cls, value: Dict[str, Any], where: str) -> "RunPosition":
@@ -92,10 +97,14 @@ class RunPosition:
             sizes = value.get("batch_sizes") or None
             sizes = None if sizes is None else tuple(int(s) for s in sizes)
             parts = value.get("num_parts") or (len(sizes) if sizes else None)
+            limits = value.get("micro_batch_limits")
+            limits = None if limits is None else tuple(
+                None if m is None else int(m) for m in limits)
             return cls(trainer=str(value["trainer"]), step=int(value["step"]),
                        epoch=int(value["epoch"]), batch=int(value["batch"]),
                        num_parts=None if parts is None else int(parts), batch_sizes=sizes,
-                       dynamic_batching=value.get("dynamic_batching"))
+                       dynamic_batching=value.get("dynamic_batching"),
+                       micro_batch_limits=limits)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(
                 f"The checkpoint {where} holds a malformed run position ({type(error).__name__}:"

@@ -209,8 +209,9 @@ def _make_function_inlined(self, step_function):
 # `test_upstream_keras_trainer.test_keras_one_step_function_takes_its_batch_inside`.
 def guard_train_step(model, guard) -> bool:
     """Runs `model`'s training steps (steps_per_execution == 1, no jit_compile, Keras's own
-    `_make_function` of `KNOWN_MAKE_FUNCTION_DIGESTS`) through `guard(run_step)`; returns
-    whether it could (idempotent: the latest `guard` is used)."""
+    `_make_function` of `KNOWN_MAKE_FUNCTION_DIGESTS`) through `guard(run_step, data)`, with
+    `data` the step's distributed batch; returns whether it could (idempotent: the latest
+    `guard` is used)."""
     spe = int(getattr(model, "steps_per_execution", 1) or 1)
     if spe != 1 or getattr(model, "jit_compile", False) or source_digest(getattr(
             type(model), "_make_function", None)) not in KNOWN_MAKE_FUNCTION_DIGESTS:
@@ -238,7 +239,7 @@ def _guarded_one_step(model, step_function, one_step_on_data):
 
     def guarded_step(iterator):
         data = iterator.get_next()  # eager: OutOfRangeError ends the epoch, as in Keras
-        return model._tf_hetbatch_step_guard(lambda: one_step(data))
+        return model._tf_hetbatch_step_guard(lambda: one_step(data), data)
 
     return guarded_step
 
