@@ -48,14 +48,18 @@ def replica_of_error(strategy, error: tf.errors.OpError) -> Optional[int]:
         failed = tf.DeviceSpec.from_string(found.group(1))
     except ValueError:
         return None
-    replicas = strategy._topology.replica_range  # (first, count) across workers; None: one host
-    offset = replicas[0] if replicas else 0
+    offset = _first_local_replica(strategy)
     for index, device in enumerate(strategy.extended.worker_devices):
         spec = tf.DeviceSpec.from_string(device)
         if (spec.device_type, spec.device_index, spec.task or 0) == (
                 failed.device_type, failed.device_index, failed.task or 0):
             return offset + index
     return None
+
+
+def _first_local_replica(strategy) -> int:
+    replicas = strategy._topology.replica_range  # (first, count) across workers; None: one host
+    return replicas[0] if replicas else 0
 
 
 def micro_batch_size(share: int, limit: Optional[int]) -> int:
@@ -129,12 +133,13 @@ class StepGuard:
 
 
 def _share(strategy, data, replica: int) -> Optional[int]:
-    """The samples `replica` (local, one host) got in the step's batch `data`: its actual
+    """The samples `replica` (this process's) got in the step's batch `data`: its actual
     share, which a switch of split reaches a few steps after `strategy.batch_sizes`; the
     split set where the batch does not say."""
     for leaf in tf.nest.flatten(data):
         if isinstance(leaf, tf.distribute.DistributedValues):
-            part = strategy.experimental_local_results(leaf)[replica]
+            local = replica - _first_local_replica(strategy)
+            part = strategy.experimental_local_results(leaf)[local]
             if part.shape.rank:
                 return int(part.shape[0])
     sizes = strategy.batch_sizes
