@@ -3,9 +3,11 @@
 Trains each of `--variants`, one after the other on the same strategy (one cluster for all):
 one of `custom_models.VARIANTS` (a train_step written as Keras's guide teaches) with `fit`, or
 a custom training loop (`loop`: TensorFlow's multi-worker custom-loop guide, `strategy.run` of
-a replica step per global batch) under HeteroMultiWorkerMirroredStrategy, each from the split
-`--sizes` that switches mid-run, then evaluates; writes <out>/<variant>/worker<i>.npz
-(weights) and worker<i>.json (history, evaluation, the variant's own times).
+a replica step per global batch) under HeteroMultiWorkerMirroredStrategy, with the split
+`--sizes` switched mid-run, then evaluates; writes <out>/<variant>/worker<i>.npz (weights) and
+worker<i>.json (history, evaluation, the variant's own times). Only the first variant starts
+at `--sizes`: once the cluster has trained, a split lands `switch_margin` steps after it is
+set, so a later variant starts from the one before's last split.
 """
 
 import argparse
