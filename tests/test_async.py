@@ -4,6 +4,7 @@ Each test launches a chief, one parameter server and workers on 127.0.0.1 throug
 launcher (`num_ps=1`); the chief runs a script from tests/workers and writes a JSON result.
 """
 
+import functools
 import glob
 import io
 import json
@@ -145,10 +146,12 @@ def test_a_notice_to_the_chief_redoes_no_update_and_a_lost_ps_resumes_from_the_c
 
 
 def test_the_chief_skips_a_damaged_newest_checkpoint_and_names_them_if_none_is_left(tmp_path):
+    # The chief alone reads the checkpoints: one worker is enough (3 launches of 3 processes).
+    run = functools.partial(run_async, num_workers=1)
     first = tmp_path / "first"
     # Epoch 0 of 40 updates, saved at updates 15, 30 and the epoch's end (keep 2: 30, 40).
-    run_async(TRAIN, tmp_path / "a.json", "--epochs", "1", "--steps", "40", "--checkpoint-dir",
-              str(first), "--checkpoint-interval", "15")
+    run(TRAIN, tmp_path / "a.json", "--epochs", "1", "--steps", "40", "--checkpoint-dir",
+        str(first), "--checkpoint-interval", "15")
     state = tf.train.get_checkpoint_state(str(first))
     assert [os.path.basename(p) for p in state.all_model_checkpoint_paths] == \
         ["ckpt-30", "ckpt-40"]
@@ -156,8 +159,8 @@ def test_the_chief_skips_a_damaged_newest_checkpoint_and_names_them_if_none_is_l
     resumed = tmp_path / "resumed"
     shutil.copytree(first, resumed)
     truncate_checkpoint(str(resumed / "ckpt-40"))
-    data, _, text = run_async(TRAIN, tmp_path / "b.json", "--epochs", "2", "--steps", "40",
-                              "--checkpoint-dir", str(resumed), "--checkpoint-interval", "15")
+    data, _, text = run(TRAIN, tmp_path / "b.json", "--epochs", "2", "--steps", "40",
+                        "--checkpoint-dir", str(resumed), "--checkpoint-interval", "15")
     warnings = [line for line in text.splitlines() if "Checkpoint ckpt-40 in" in line]
     assert len(warnings) == 1 and "Read less bytes than requested" in warnings[0]
     restored = data["restored"]
@@ -170,8 +173,8 @@ def test_the_chief_skips_a_damaged_newest_checkpoint_and_names_them_if_none_is_l
     truncate_checkpoint(str(broken / "ckpt-40"))
     delete_checkpoint_index(str(broken / "ckpt-30"))
     files = sorted(os.listdir(broken))
-    data, result, text = run_async(TRAIN, tmp_path / "c.json", "--epochs", "2", "--steps",
-                                   "40", "--checkpoint-dir", str(broken), expect_ok=False)
+    data, result, text = run(TRAIN, tmp_path / "c.json", "--epochs", "2", "--steps", "40",
+                             "--checkpoint-dir", str(broken), expect_ok=False)
     assert not result.ok and data is None
     [error] = [line for line in text.splitlines() if "ValueError: No checkpoint in" in line]
     assert "ckpt-40 (IndexError" in error and "ckpt-30 (its index file" in error

@@ -114,9 +114,12 @@ def test_bench_hetero_tiny_mode(tmp_path):
 
 def test_bench_sweep_tiny_mode(tmp_path):
     out = tmp_path / "sweep.json"
-    proc = _run("bench_sweep.py", "--steps", "5", "--seed", "3", "--out", str(out))
+    # 2 workers (the default is 3): the flow is the same, one process less to start.
+    proc = _run("bench_sweep.py", "--steps", "5", "--seed", "3", "--workers", "2", "--out",
+                str(out))
     data = _check(proc, out, ["hs", "runs", "base_step_ms", "base_epoch_s", "scenario"],
                   "| H | caps |")
+    assert all(len(run["caps"]) == 2 for run in data["runs"])
     assert [run["h"] for run in data["runs"]] == data["hs"]
     for run in data["runs"]:
         for policy in ("even", "static", "dynamic"):
@@ -128,7 +131,7 @@ def test_bench_sweep_tiny_mode(tmp_path):
 def test_bench_sweep_interference_tiny_mode(tmp_path):
     out = tmp_path / "interference.json"
     proc = _run("bench_sweep.py", "--scenario", "interference", "--steps", "5", "--seed", "3",
-                "--out", str(out))
+                "--workers", "2", "--out", str(out))
     data = json.loads(out.read_text()) if out.exists() else {}
     # slow_at/recover_at are null in tiny mode (no schedule): check the rest by hand.
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -236,27 +236,56 @@ def test_custom_loop_with_a_keras_loss_it_holds_is_weighted(cpus):
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "custom_step_train.py")
 
 
+TWO_WORKER_VARIANTS = (*custom_models.VARIANTS, "loop", "loop_balanced")
+# The variants trained one after the other in one launched cluster. A split set after a
+# cluster has trained lands `switch_margin` steps later, so a variant that follows another
+# starts from that one's last split: only the balanced loop (whose own split is what it
+# decides, not [5, 27]) follows another.
+SHARED_RUNS = {"two_optimizers": ("two_optimizers", "loop_balanced"),
+               "loop_balanced": ("two_optimizers", "loop_balanced")}
+
+
+@pytest.fixture(scope="module")
+def two_worker_run(tmp_path_factory):
+    """run(variant) -> (its results directory, launch result, log): a launched 2-worker
+    cluster trains the variant (and those that share its run), each from the split [5, 27]
+    switched to [20, 12] at its step 3; each run is launched once."""
+    launched = {}
+
+    def run(variant):
+        variants = SHARED_RUNS.get(variant, (variant,))
+        if variants not in launched:
+            out = tmp_path_factory.mktemp("custom_steps")
+            log = io.StringIO()
+            result = launch([WORKER, "--out", str(out), "--variants", ",".join(variants),
+                             "--sizes", "5,27", "--n", "320",
+                             "--switch-step", "3", "--switch-sizes", "20,12"],
+                            2, threads=1, timeout=240, stdout=log, stderr=log,
+                            handle_signals=False)
+            launched[variants] = out, result, log.getvalue()
+        out, result, log = launched[variants]
+        return out / variant, result, log
+
+    return run
+
+
 @pytest.mark.cluster
-@pytest.mark.parametrize("variant", [*custom_models.VARIANTS, "loop", "loop_balanced"])
-def test_custom_steps_on_two_workers_equal_one_device(tmp_path, variant):
-    log = io.StringIO()
-    result = launch([WORKER, "--out", str(tmp_path), "--variant", variant, "--sizes", "5,27",
-                     "--n", "320",
-                     "--switch-step", "3", "--switch-sizes", "20,12"],
-                    2, threads=1, timeout=240, stdout=log, stderr=log, handle_signals=False)
-    assert result.ok, result.message + "\n" + log.getvalue()[-4000:]
+@pytest.mark.parametrize("variant", TWO_WORKER_VARIANTS)
+def test_custom_steps_on_two_workers_equal_one_device(two_worker_run, variant):
+    run_dir, result, log = two_worker_run(variant)
+    assert result.ok, result.message + "\n" + log[-4000:]
     ref_variant = "compute_loss" if variant.startswith("loop") else variant
     ref, ref_history = _train(None, ref_variant, n=320)
     for index in range(2):
-        weights = np.load(tmp_path / f"worker{index}.npz")
+        weights = np.load(run_dir / f"worker{index}.npz")
         ours = [weights[f"arr_{i}"] for i in range(len(ref.get_weights()))]
         assert max(float(np.max(np.abs(a - b))) for a, b in zip(ours, ref.get_weights())) <= TOL
-        info = json.loads((tmp_path / f"worker{index}.json").read_text())
+        info = json.loads((run_dir / f"worker{index}.json").read_text())
         for key in ref_history:
             np.testing.assert_allclose(info["history"][key], ref_history[key], rtol=1e-5)
         if variant == "loop_balanced":  # a Balancer in the loop: the same on both workers
             assert info["balancer"] == json.loads(
-                (tmp_path / "worker0.json").read_text())["balancer"]
+                (run_dir / "worker0.json").read_text())["balancer"]
             assert info["balancer"]["history"][0]["new"] == [16, 16]
         else:  # 20 steps: the first 3 + DEFAULT_SWITCH_MARGIN at [5, 27], then [20, 12].
             np.testing.assert_array_equal(info["samples"], [5 * 11 + 20 * 9, 27 * 11 + 12 * 9])

@@ -1,10 +1,13 @@
 """A multi-worker script for the custom-step tests: run by tf_hetbatch.launch with TF_CONFIG.
 
-Trains one of `custom_models.VARIANTS` (a train_step written as Keras's guide teaches) with
-`fit`, or a custom training loop (`--variant loop`: TensorFlow's multi-worker custom-loop
-guide, `strategy.run` of a replica step per global batch) under
-HeteroMultiWorkerMirroredStrategy with a split that switches mid-run, then evaluates; writes
-<out>/worker<i>.npz (weights) and worker<i>.json (history, evaluation, times).
+Trains each of `--variants`, one after the other on the same strategy (one cluster for all):
+one of `custom_models.VARIANTS` (a train_step written as Keras's guide teaches) with `fit`, or
+a custom training loop (`loop`: TensorFlow's multi-worker custom-loop guide, `strategy.run` of
+a replica step per global batch) under HeteroMultiWorkerMirroredStrategy, with the split
+`--sizes` switched mid-run, then evaluates; writes <out>/<variant>/worker<i>.npz (weights) and
+worker<i>.json (history, evaluation, the variant's own times). Only the first variant starts
+at `--sizes`: once the cluster has trained, a split lands `switch_margin` steps after it is
+set, so a later variant starts from the one before's last split.
 """
 
 import argparse
@@ -83,47 +86,60 @@ def train_loop(strategy, n, switch_step, switch_sizes, balancer=None):
     return model, history
 
 
+def train_variant(strategy, variant, args, sizes, switch_sizes):
+    """(model, history, evaluation, balancer) of one variant, from the split `sizes`."""
+    strategy.set_batch_sizes(sizes)
+    evaluation, balancer = {}, None
+    if variant.startswith("loop"):
+        if variant == "loop_balanced":
+            balancer = hb.Balancer(strategy, initial="uniform", warmup_steps=2, interval=3)
+        model, history = train_loop(strategy, args.n, args.switch_step, switch_sizes, balancer)
+        return model, history, evaluation, balancer
+    with strategy.scope():
+        model = custom_models.build(variant)
+    columns = custom_models.data(args.n, sample_weight=variant == "sample_weight")
+    history = model.fit(tf.data.Dataset.from_tensor_slices(columns).batch(BATCH),
+                        epochs=EPOCHS, verbose=0,
+                        callbacks=[SwitchAt(strategy, args.switch_step, switch_sizes)]).history
+    if variant == "compute_loss":  # its custom test_step
+        xe, ye = custom_models.data(100, seed=5)
+        evaluation = model.evaluate(xe, ye, batch_size=50, verbose=0, return_dict=True)
+    return model, history, evaluation, balancer
+
+
 def main():
+    variants = [*custom_models.VARIANTS, "loop", "loop_balanced"]
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--variant", required=True,
-                        choices=[*custom_models.VARIANTS, "loop", "loop_balanced"])
+    parser.add_argument("--variants", required=True,
+                        help=f"comma separated, in the order to run, of {variants}")
     parser.add_argument("--n", type=int, default=160, help="training samples")
     parser.add_argument("--sizes", required=True, help="initial split, comma separated")
     parser.add_argument("--switch-step", type=int, default=2)
     parser.add_argument("--switch-sizes", required=True)
     args = parser.parse_args()
+    chosen = args.variants.split(",")
+    unknown = sorted(set(chosen) - set(variants))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {variants}")
     sizes = [int(s) for s in args.sizes.split(",")]
     switch_sizes = [int(s) for s in args.switch_sizes.split(",")]
 
     strategy = hb.HeteroMultiWorkerMirroredStrategy()
-    strategy.set_batch_sizes(sizes)
-    evaluation, balancer = {}, None
-    if args.variant.startswith("loop"):
-        if args.variant == "loop_balanced":
-            balancer = hb.Balancer(strategy, initial="uniform", warmup_steps=2, interval=3)
-        model, history = train_loop(strategy, args.n, args.switch_step, switch_sizes,
-                                    balancer)
-    else:
-        with strategy.scope():
-            model = custom_models.build(args.variant)
-        columns = custom_models.data(args.n, sample_weight=args.variant == "sample_weight")
-        history = model.fit(tf.data.Dataset.from_tensor_slices(columns).batch(BATCH),
-                            epochs=EPOCHS, verbose=0,
-                            callbacks=[SwitchAt(strategy, args.switch_step, switch_sizes)]
-                            ).history
-        if args.variant == "compute_loss":  # its custom test_step
-            xe, ye = custom_models.data(100, seed=5)
-            evaluation = model.evaluate(xe, ye, batch_size=50, verbose=0, return_dict=True)
-    times = strategy.read_replica_times()
     index = strategy.cluster_resolver.task_id
-    os.makedirs(args.out, exist_ok=True)
-    np.savez(os.path.join(args.out, f"worker{index}.npz"), *model.get_weights())
-    with open(os.path.join(args.out, f"worker{index}.json"), "w") as f:
-        json.dump({"history": history, "evaluation": evaluation,
-                   "balancer": None if balancer is None else balancer.get_state(),
-                   "samples": times.samples.tolist(),
-                   "seconds": times.compute_seconds.tolist()}, f)
+    for variant in chosen:
+        strategy.read_replica_times(reset=True)  # the times below: this variant's alone
+        model, history, evaluation, balancer = train_variant(strategy, variant, args, sizes,
+                                                             switch_sizes)
+        times = strategy.read_replica_times(reset=True)
+        out = os.path.join(args.out, variant)
+        os.makedirs(out, exist_ok=True)
+        np.savez(os.path.join(out, f"worker{index}.npz"), *model.get_weights())
+        with open(os.path.join(out, f"worker{index}.json"), "w") as f:
+            json.dump({"history": history, "evaluation": evaluation,
+                       "balancer": None if balancer is None else balancer.get_state(),
+                       "samples": times.samples.tolist(),
+                       "seconds": times.compute_seconds.tolist()}, f)
 
 
 if __name__ == "__main__":

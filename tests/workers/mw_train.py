@@ -256,7 +256,7 @@ def main():
                         help="DynamicBatching(initial='uniform') with this controller")
     parser.add_argument("--stock-worker", type=int, default=-1,
                         help="this worker creates a stock MultiWorkerMirroredStrategy (it never "
-                        "publishes its devices); the others wait 5 s for it")
+                        "publishes its devices); the others wait 2 s for it")
     args = parser.parse_args()
     logging.getLogger("tf_hetbatch").setLevel(logging.INFO)
     if args.log_collectives:
@@ -265,7 +265,7 @@ def main():
     devices = layout_devices(args.layout, args.worker_devices)
     options = None
     if args.stock_worker >= 0:
-        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=5)
+        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=2)
         if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == args.stock_worker:
             tf.distribute.MultiWorkerMirroredStrategy()
             time.sleep(60)
