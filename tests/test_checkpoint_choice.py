@@ -124,6 +124,9 @@ def test_the_run_position_reads_todays_dicts_and_writes_them_back():
     assert asynchronous.batch_sizes is None and asynchronous.num_parts == 2
     assert asynchronous.dynamic_batching == [{"format": "x"}]
     assert RunPosition.from_dict(asynchronous.to_dict(), "x") == asynchronous
+    bounded = dict(TODAY_FIT, micro_batch_limits=[None, 4])
+    assert RunPosition.from_dict(bounded, "x").micro_batch_limits == (None, 4)
+    assert RunPosition.from_dict(bounded, "x").to_dict() == bounded
     with pytest.raises(ValueError, match="ckpt-7 holds a malformed run position.*Fix"):
         RunPosition.from_dict({"trainer": "fit", "step": 7}, "ckpt-7")
 

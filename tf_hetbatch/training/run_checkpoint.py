@@ -77,12 +77,13 @@ class RunPosition:
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON-ready dict saved in the checkpoint (with "format": `STATE_FORMAT`)."""
-        return {"format": STATE_FORMAT, "trainer": self.trainer, "step": self.step,
-                "epoch": self.epoch, "batch": self.batch,
-                "batch_sizes": None if self.batch_sizes is None else list(self.batch_sizes),
-                "num_parts": self.num_parts, "dynamic_batching": self.dynamic_batching,
-                "micro_batch_limits": None if self.micro_batch_limits is None
-                else list(self.micro_batch_limits)}
+        value = {"format": STATE_FORMAT, "trainer": self.trainer, "step": self.step,
+                 "epoch": self.epoch, "batch": self.batch,
+                 "batch_sizes": None if self.batch_sizes is None else list(self.batch_sizes),
+                 "num_parts": self.num_parts, "dynamic_batching": self.dynamic_batching}
+        if self.micro_batch_limits is not None:  # optional: absent, no bounds were set
+            value["micro_batch_limits"] = list(self.micro_batch_limits)
+        return value
 
     @classmethod
     def from_dict(cls, value: Dict[str, Any], where: str) -> "RunPosition":
