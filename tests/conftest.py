@@ -3,6 +3,12 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The out-of-memory tests allocate beyond the machine's memory. TensorFlow's default oneDNN CPU
+# allocator waits 10 s for memory to be freed before it reports such an allocation (the same
+# ResourceExhaustedError, "OOM when allocating tensor ... on <device>"); the system allocator
+# reports it at once. Read when TensorFlow creates its CPU allocator, so set before any test
+# runs (the worker processes a test starts inherit it).
+os.environ.setdefault("TF_ONEDNN_USE_SYSTEM_ALLOCATOR", "true")
 
 import pytest  # noqa: E402
 
