@@ -206,7 +206,7 @@ def test_split_here_changes_nothing_without_a_strategy():
 
 
 # Named functions, not lambdas, for the maps: autograph finds a lambda's source by parsing the
-# lines around it, which took 75-81 s for these once in a full suite run (a parametrize list
+# lines around it, which took 75-81 s for these in three full-suite runs (a parametrize list
 # with nested lambdas on its lines).
 def double(x):
     return x * 2
