@@ -363,7 +363,7 @@ def worker(args):
     with strategy.scope():
         model = make_model(args.filters)
     model.fit(dataset(steps), epochs=1, verbose=0)
-    times = strategy.read_replica_times()  # a collective: every worker
+    times = strategy.read_replica_times()  # local: every worker reads every replica
     if strategy.is_chief:
         layout = strategy.layout
         result = {"layout": layout.describe(), "all_reduce": layout.all_reduce,

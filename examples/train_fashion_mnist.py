@@ -117,7 +117,7 @@ class ComputeTimes(keras.callbacks.Callback):
         self._done = batch + 1
         if (before < self.warmup <= self.step
                 or (self.step > self.warmup and self.step // 10 > before // 10)):
-            times = self.strategy.read_replica_times(reset=True)  # collective: every worker
+            times = self.strategy.read_replica_times(reset=True)  # local: every worker has all
             # (DynamicBatching reads with reset too: a read at the same call finds no steps.)
             if self.step > self.warmup and np.all(np.asarray(times.steps) > 0):
                 self.windows.append((times.samples_per_step.tolist(), times.time_per_step.tolist()))

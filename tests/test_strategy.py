@@ -140,6 +140,25 @@ def test_read_replica_times_accumulates_and_resets(cpus):
     assert strategy.read_replica_times().step_time is None
 
 
+def test_a_read_with_reset_counts_only_the_cycles_wholly_after_it(cpus):
+    # A measurement window's step time holds neither the split before it nor the host's work
+    # between two reads (a controller's update, a switch): of the 4 steps after a read,
+    # the first two carry no cycle (the one before the read, and the one across it).
+    strategy = hb.HeteroMirroredStrategy(cpus[:2])
+    model = build_under(strategy, dense_model)
+    x, y = regression_data(n=192)
+    reads = []
+    read = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: reads.append(
+        strategy.read_replica_times(reset=True)) if batch == 1 else None)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[read])
+    window = strategy.read_replica_times(reset=True)
+    np.testing.assert_array_equal(reads[0].steps, [2, 2])
+    np.testing.assert_array_equal(reads[0].cycles, [0, 0])
+    np.testing.assert_array_equal(window.steps, [4, 4])
+    np.testing.assert_array_equal(window.cycles, [2, 2])
+    assert np.all(window.cycle_time > 0)
+
+
 @pytest.mark.parametrize(
     "sizes, match",
     [

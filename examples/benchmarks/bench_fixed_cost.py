@@ -417,7 +417,7 @@ def _make_call_timer(keras):
             self._prev_end = batch
             self._done += covered
             if self.strategy is not None and self._done in (self.skip, self.steps):
-                times = self.strategy.read_replica_times(reset=True)  # a collective
+                times = self.strategy.read_replica_times(reset=True)
                 if self._done == self.steps:
                     self.busy = {"time_per_step": times.time_per_step.tolist(),
                                  "samples_per_step": times.samples_per_step.tolist(),

@@ -54,7 +54,7 @@ from train_fashion_mnist import make_model  # noqa: E402
 class StepTimer(keras.callbacks.Callback):
     """Wall time of every step (end to end), stamps, and busy times over a measured range.
 
-    `read_at=(first, last)`: reads `strategy.read_replica_times(reset=True)` (a collective)
+    `read_at=(first, last)`: reads `strategy.read_replica_times(reset=True)` (local)
     after step `first` (dropping what came before) and after step `last`, so the second
     read covers steps first+1..last only. None for phases where DynamicBatching reads them.
     """

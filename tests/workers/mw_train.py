@@ -139,12 +139,15 @@ class SwitchAt(keras.callbacks.Callback):
     def __init__(self, strategy, at_step, sizes):
         super().__init__()
         self.strategy, self.at_step, self.sizes, self.step = strategy, at_step, sizes, 0
-        self.samples, self.extra, self.rows = [], [], []
+        self.samples, self.extra, self.rows, self.totals = [], [], [], None
 
     def on_train_batch_end(self, batch, logs=None):
         self.step += 1
         # Local: the step's all-reduce brought every replica's measurements to every worker.
-        times = self.strategy.read_replica_times(reset=True)
+        # (Read without a reset, which would start a new measurement window each step.)
+        totals = self.strategy.read_replica_times()
+        times = totals if self.totals is None else totals - self.totals
+        self.totals = totals
         self.samples.append(times.samples.tolist())
         self.rows.append(times.rows().tolist())
         # A collective on every worker: each worker's index (+ 0.5), in replica order.

@@ -264,8 +264,11 @@ def _start_stamp(replica_args, check_nonempty):
 
     The stamp depends on the inputs only and nothing depends on it but the timing record, so it
     adds no barrier to the step: gating the replica's work on the stamp, or on all replicas'
-    inputs, cost several percent of a small model's step on 2 cores. The executor runs the
-    stamp as soon as the inputs are ready (a cheap op, run inline), i.e. when the work can start.
+    inputs, cost several percent of a small model's step on 2 cores (and 35-50% of a step of
+    3 logical CPU replicas with while loops on 2 cores). The executor runs the stamp once an
+    inter-op thread takes it: at once on an idle pool, but behind other replicas' work when
+    replicas share the host's cores (logical CPU devices), where a replica's time then reads
+    short (0-1 ms for a replica whose alone time is 3.5-8 ms; BUILD_NOTES, timing).
     Only with plain BatchNormalization (`check_nonempty`) are the returned args gated, on a
     check that the batch is not empty: the step then fails with a clear message before any of
     its work runs.

@@ -178,7 +178,9 @@ class HeteroMixin(micro_batches.LimitsMixin):
         step read the same values.
 
         Args:
-            reset: if True, subtract what was read, so the next read covers only later steps.
+            reset: if True, subtract what was read, so the next read covers only later steps
+                and only the step cycles wholly after this read (the first two steps after it
+                carry none: the host's work between reads is no split's step time).
 
         Returns:
             `ReplicaTimes` over all replicas in sync, in replica order.

@@ -12,7 +12,11 @@ synchronous training hides behind the slowest replica. Where the step starts:
   are throttled as well), while the time it waited for slower workers does not. The first step
   after `reset_clock()` (each new input pipeline, each epoch) starts at its inputs instead.
 Each replica also records its step cycle: the wall time from one release to the next, the
-whole step as the cluster lives it (the first step after `reset_clock()` closes none).
+whole step as the cluster lives it. The first step after `reset_clock()` closes none, nor does
+the first after a read that starts a new measurement (`subtract`): a measurement holds only
+cycles wholly inside it, at its own split, without the host's work between two measurements
+(a controller's update, a switch of the split). A cycle is carried by the step after it, so
+of a measurement's L steps, L - 2 cycles count.
 
 The records travel in the step's gradient all-reduce: each replica adds a [K, 5] float32 table
 that is zero except its own row (compute seconds, samples, 1 step, its previous cycle's
@@ -30,6 +34,9 @@ from tf_hetbatch.core.measurements import ReplicaTimes
 
 # Columns of a replica's row: compute seconds, samples, steps, cycle seconds, cycles.
 _COLUMNS = 5
+# The cycle variable's mark after a new measurement starts: no cycle to carry, and the next
+# release closes none (its cycle began before the measurement).
+_NEXT_CLOSES_NONE = -1.0
 
 
 class TimingAccumulators:
@@ -51,7 +58,8 @@ class TimingAccumulators:
                 name="hetbatch_replica_totals",
             )
             # When the last gradient all-reduce released each replica (0: not yet), and the
-            # seconds from the release before it (0: none).
+            # seconds from the release before it (0: none; _NEXT_CLOSES_NONE: none, nor will
+            # the next release close one).
             self._release = self._local_scalar("hetbatch_release_time")
             self._cycle = self._local_scalar("hetbatch_step_cycle")
 
@@ -75,7 +83,7 @@ class TimingAccumulators:
     def row(self, seconds, samples):
         """Replica context: this replica's [K, 5] float32 table of the step (zero except its
         row), to be summed in the step's all-reduce and passed to `record`."""
-        cycle = self._cycle.read_value()
+        cycle = tf.maximum(self._cycle.read_value(), 0.0)
         values = tf.cast(tf.stack([
             tf.cast(seconds, tf.float64),
             tf.cast(samples, tf.float64),
@@ -100,7 +108,8 @@ class TimingAccumulators:
         # Nothing waits for the records (stateful ops the step runs anyway): the update
         # after the all-reduce gets no extra barrier.
         previous = self._release.read_value()
-        self._cycle.assign(tf.where(previous > 0, now - previous, tf.zeros_like(now)))
+        closes = (previous > 0) & (self._cycle.read_value() != _NEXT_CLOSES_NONE)
+        self._cycle.assign(tf.where(closes, now - previous, tf.zeros_like(now)))
         self._release.assign(now)
         return reduced
 
@@ -117,7 +126,10 @@ class TimingAccumulators:
         return ReplicaTimes.from_rows(first.numpy())
 
     def subtract(self, times: ReplicaTimes):
-        """Removes what was read, keeping anything recorded since (a step may be in flight)."""
+        """Removes what was read, keeping anything recorded since (a step may be in flight),
+        and starts a new measurement: the next two steps carry no cycle (the module docstring)."""
         rows = times.rows()
         for local in self._strategy.experimental_local_results(self._totals):
             local.assign_sub(rows)
+        for local in self._strategy.experimental_local_results(self._cycle):
+            local.assign(_NEXT_CLOSES_NONE)
