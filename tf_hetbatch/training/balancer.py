@@ -120,7 +120,9 @@ class Balancer(tf.train.experimental.PythonState):
             0 (with a min of 0) keeps a replica out of the split: it gets empty batches.
         warmup_steps: steps after every `begin` left unmeasured (tracing). Default 5.
             Asynchronous training also waits until every worker finished 2 updates.
-        interval: steps per measurement window (>= 1). Default 10.
+        interval: steps per measurement window (>= 1). Default 10. In synchronous training a
+            window's step time counts the step cycles wholly inside it (its first 2 steps carry
+            none), so the step-time search needs windows of 3 or more steps.
         probe_steps: steps measured by `initial="probe"` (>= 1). Default 10.
         log_dir: when set, the chief writes the balance dashboards there (`BalanceWriter`:
             runs `<log_dir>/hetbatch/replica_<k>` and `<log_dir>/hetbatch/cluster`, next to
