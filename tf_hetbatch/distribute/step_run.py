@@ -268,7 +268,8 @@ def _start_stamp(replica_args, check_nonempty):
     3 logical CPU replicas with while loops on 2 cores). The executor runs the stamp once an
     inter-op thread takes it: at once on an idle pool, but behind other replicas' work when
     replicas share the host's cores (logical CPU devices), where a replica's time then reads
-    short (0-1 ms for a replica whose alone time is 3.5-8 ms; BUILD_NOTES, timing).
+    short (0-2.2 ms for a replica whose alone time is 3.5-8 ms; BUILD_NOTES, "Step time per
+    replica").
     Only with plain BatchNormalization (`check_nonempty`) are the returned args gated, on a
     check that the batch is not empty: the step then fails with a clear message before any of
     its work runs.

@@ -187,7 +187,7 @@ class HeteroMixin(micro_batches.LimitsMixin):
         """
         times = self._timing.read()
         if reset:
-            self._timing.subtract(times)
+            self._timing.start_measurement(times)
         return times
 
     def restart_step_clock(self) -> None:

@@ -13,7 +13,7 @@ synchronous training hides behind the slowest replica. Where the step starts:
   after `reset_clock()` (each new input pipeline, each epoch) starts at its inputs instead.
 Each replica also records its step cycle: the wall time from one release to the next, the
 whole step as the cluster lives it. The first step after `reset_clock()` closes none, nor does
-the first after a read that starts a new measurement (`subtract`): a measurement holds only
+the first after a read that starts a new measurement (`start_measurement`): a measurement holds only
 cycles wholly inside it, at its own split, without the host's work between two measurements
 (a controller's update, a switch of the split). A cycle is carried by the step after it, so
 of a measurement's L steps, L - 2 cycles count.
@@ -125,10 +125,10 @@ class TimingAccumulators:
         first = self._strategy.experimental_local_results(self._totals)[0]
         return ReplicaTimes.from_rows(first.numpy())
 
-    def subtract(self, times: ReplicaTimes):
+    def start_measurement(self, read: ReplicaTimes):
         """Removes what was read, keeping anything recorded since (a step may be in flight),
         and starts a new measurement: the next two steps carry no cycle (the module docstring)."""
-        rows = times.rows()
+        rows = read.rows()
         for local in self._strategy.experimental_local_results(self._totals):
             local.assign_sub(rows)
         for local in self._strategy.experimental_local_results(self._cycle):
