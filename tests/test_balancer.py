@@ -104,8 +104,8 @@ def test_a_custom_loop_with_a_balancer_moves_the_split_off_the_slow_replica_exac
     # make the measured times (on a quiet machine it settles at <= 24, with another test
     # process beside it it was seen at 30): the goal pinned is the direction, off the slow
     # replica and onto the others. (Replicas sharing the host's cores are timed from stamps
-    # that can run late, BUILD_NOTES "Step time per replica": beside a busy process 2 of 23
-    # runs went the other way.)
+    # that can run late, BUILD_NOTES "Step time per replica"; the window's step time is the
+    # host's wall clock, which they do not touch.)
     assert balancer.history[0]["new"] == [32, 32, 32]
     settled = balancer.settled_batch_sizes
     assert settled[2] < 32 and settled[2] == min(settled), balancer.history

@@ -86,8 +86,9 @@ class Balancer(tf.train.experimental.PythonState):
        replicas a few steps later (the input pipeline prefetches), so a window that started
        before the new split was surely in force is used only if every replica's samples/step
        equals the new split (`tf_hetbatch.core.measurements.straddles_switch`). `update`
-       also gets `step_time=`: in synchronous training the window's mean step time (the
-       cluster's step cycle, `ReplicaTimes.step_time`: the same on every worker), else None. The
+       also gets `step_time=`: in synchronous training the window's mean step time (one
+       process: its wall clock; several workers: the step cycle, `ReplicaTimes.step_time`, the
+       same on every worker), else None. The
        built-in controllers then refine the split their model settled on by trying
        neighbouring splits and keeping a measurably faster one (`step_time_search`), and go
        back from a move of their model that the step time shows slower, since compute
@@ -120,9 +121,9 @@ class Balancer(tf.train.experimental.PythonState):
             0 (with a min of 0) keeps a replica out of the split: it gets empty batches.
         warmup_steps: steps after every `begin` left unmeasured (tracing). Default 5.
             Asynchronous training also waits until every worker finished 2 updates.
-        interval: steps per measurement window (>= 1). Default 10. In synchronous training a
-            window's step time counts the step cycles wholly inside it (its first 2 steps carry
-            none), so the step-time search needs windows of 3 or more steps.
+        interval: steps per measurement window (>= 1). Default 10. Across workers a window's
+            step time counts the step cycles wholly inside it (its first 2 steps carry none),
+            so there the step-time search needs windows of 3 or more steps.
         probe_steps: steps measured by `initial="probe"` (>= 1). Default 10.
         log_dir: when set, the chief writes the balance dashboards there (`BalanceWriter`:
             runs `<log_dir>/hetbatch/replica_<k>` and `<log_dir>/hetbatch/cluster`, next to

@@ -5,8 +5,9 @@ also until every worker finished 2 updates) are not measured; then each window c
 training steps (several per Keras call with `steps_per_execution`) and ends at the first
 call at least `length` steps after it started. At its end the strategy's per-part
 measurements over the window are read: in synchronous training with the cluster's mean step
-time (`ReplicaTimes.step_time`, carried in the steps' all-reduce, so every worker reads the
-same value without a collective); in asynchronous training with the workers' staleness.
+time (one process holding every replica: its own wall clock; several workers: the cycles
+carried in the steps' all-reduce, `ReplicaTimes.step_time`, so every worker reads the same
+value without a collective); in asynchronous training with the workers' staleness.
 
 Multi-worker: the clock counts steps, which are the same on every worker, so every worker
 starts and ends each window at the same step and reads the same measurements.
@@ -38,9 +39,9 @@ class WindowMeasurement:
         steps: training steps in the window.
         times: the strategy's per-part measurements over the window.
         step_time: this process's mean wall seconds per step (from Keras's batch hooks).
-        cluster_step_time: synchronous training: the cluster's mean step cycle
-            (`ReplicaTimes.step_time`), the same on every worker; None in asynchronous
-            training, or where no cycle was measured.
+        cluster_step_time: synchronous training: the cluster's mean step, the same on every
+            worker (one process: `step_time`; several: `ReplicaTimes.step_time`); None in
+            asynchronous training, or where no cycle was measured.
         staleness: asynchronous training: the staleness of the window's updates
             (`Staleness`); None in synchronous training.
     """
@@ -120,4 +121,9 @@ class WindowClock:
         if strategy.asynchronous:
             return WindowMeasurement(steps, times, step_time, None,
                                      strategy.read_staleness(reset=True))
-        return WindowMeasurement(steps, times, step_time, times.step_time, None)
+        # One process holding every replica reads the step on its own clock (the release
+        # stamps of replicas sharing its cores run late, by varying amounts); across processes
+        # every worker needs the same value: the cycles the steps' all-reduce carried.
+        one_process = strategy.num_local_replicas == strategy.num_parts
+        return WindowMeasurement(steps, times, step_time,
+                                 step_time if one_process else times.step_time, None)
