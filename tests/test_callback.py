@@ -76,6 +76,15 @@ def imbalance(window):
     return float(t.max() / t.min())
 
 
+def settled_imbalance(windows):
+    """The median imbalance of the last three windows that ran one split whole (no straddling
+    window). One window alone can read a neighbour's load: the suite runs two tests at once on
+    two cores, and one CI run read 1.34 in a last window where runs alone read 1.02-1.07."""
+    whole = [w for w in windows[1:] if all(v == int(v) for v in w["samples_per_step"])]
+    assert len(whole) >= 3, windows
+    return float(np.median([imbalance(w) for w in whole[-3:]]))
+
+
 class CyclingController:
     """A deterministic test controller: each update moves to the next split of `splits`."""
 
@@ -120,12 +129,8 @@ def test_the_rule_converges_towards_the_cheap_replica_and_improves_balance(cpus)
     # Balance: the even split's window against the last windows of the new split.
     first = callback.windows[0]
     assert first["samples_per_step"] == [28.0, 28.0, 28.0]
-    rebalanced = [w for w in callback.windows[1:]
-                  if all(v == int(v) for v in w["samples_per_step"])]  # no straddling window
-    assert rebalanced, callback.windows
     assert imbalance(first) > 2.5  # 7 : 14 : 28 ms
-    assert imbalance(rebalanced[-1]) < 1.3, callback.windows
-    assert np.median([imbalance(w) for w in callback.windows[-3:]]) < 1.3, callback.windows
+    assert settled_imbalance(callback.windows) < 1.3, callback.windows
     # The state of a real controller survives JSON and restores identically.
     state = json.loads(json.dumps(callback.get_state()))
     restored = hb.DynamicBatching(controller=hb.ModelBasedController(step_time_search=False))
