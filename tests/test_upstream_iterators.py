@@ -102,7 +102,7 @@ def test_next_as_optional_reads_what_it_needs(cpus):
 
 
 def test_destroying_a_used_iterator_releases_the_gil():
-    """`iterators.hold_iterators`: iterator_release destroys used iterators on a thread of its
+    """`iterators.adapt_iterators`: iterator_release destroys used iterators on a thread of its
     own, because their destruction can wait seconds for tf.data's autotuning thread. That keeps
     the training loop going only while TensorFlow releases the GIL as it destroys a tensor
     handle (EagerTensor_dealloc). Here a destruction waits for two map calls in flight (chains
@@ -133,3 +133,28 @@ def test_destroying_a_used_iterator_releases_the_gil():
     releasing.join(60)
     assert not releasing.is_alive()
     assert turns >= 10, f"the main thread ran {turns} times during the destruction"
+
+
+def test_a_step_on_next_values_is_traced_once_for_every_split(cpus):
+    """`iterators.adapt_iterators` types the PerReplica values `next(iterator)` gives by the
+    iterator's element spec (batch dimension unknown), so a `tf.function` step called on them
+    is traced once for all splits. If TensorFlow stops tracing a PerReplica by its `_type_spec`
+    (or the class goes), every new split is traced again (correct, slower)."""
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    data = tf.data.Dataset.range(12 * 16).map(lambda i: tf.cast(i, tf.float32)).batch(12)
+    iterator = iter(strategy.experimental_distribute_dataset(data))
+
+    @tf.function
+    def step(x):
+        return strategy.run(lambda v: (tf.size(v), tf.reduce_sum(v)), args=(x,))
+
+    seen, totals = set(), []
+    for i in range(16):
+        if i % 4 == 0:
+            strategy.set_batch_sizes([[4, 4, 4], [6, 4, 2], [2, 2, 8], [1, 9, 2]][i // 4])
+        sizes, sums = step(next(iterator))
+        seen.add(tuple(int(s) for s in strategy.experimental_local_results(sizes)))
+        totals.append(sum(float(s) for s in strategy.experimental_local_results(sums)))
+    assert len(seen) >= 3, seen
+    assert step.experimental_get_tracing_count() == 1
+    assert totals == [float(sum(range(12 * i, 12 * i + 12))) for i in range(16)]

@@ -267,7 +267,7 @@ class HeteroMixin(micro_batches.LimitsMixin):
         iterators.disable_partial_batch_handling(distributed)
         if options is None and _one_cpu_replica(self.extended.worker_devices):
             iterators.plain_iterators(distributed)
-        iterators.hold_iterators(distributed, iterator_release.hold)
+        iterators.adapt_iterators(distributed, iterator_release.hold)
         if plans and not evaluation:
             self._weights_in_pipeline = plans[0].weights_in_raw
         if plans and plans[0].reason and self.is_chief and dataset not in self._said_unsplit:

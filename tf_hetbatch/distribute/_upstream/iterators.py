@@ -39,29 +39,101 @@ def disable_partial_batch_handling(distributed):
 # autotuning thread (`RootDataset::Iterator::~Iterator` -> `LogicalThreadWrapper`), which often
 # waits until that thread's sleep ends (up to 60 s), with no CPU used; Keras drops an epoch's
 # iterator at the next epoch's first step, so the training loop waits, and across workers all
-# workers do (see `iterator_release`). The iterators of a distributed dataset come from its
-# class's `__iter__`: the one instance gets a subclass (no new state) whose `__iter__` hands
-# each eager iterator to `hold`, which destroys it off the training loop. Canary
-# `test_upstream_iterators.py -k releases_the_gil`: the off-thread destruction helps only while
-# TensorFlow releases the GIL when it destroys a tensor handle.
-_HELD_ITERATORS_CLASSES = {}
+# workers do (see `iterator_release`). Canary `test_upstream_iterators.py -k releases_the_gil`:
+# the off-thread destruction helps only while TensorFlow releases the GIL when it destroys a
+# tensor handle.
+#
+# --- A step function traced again for every new split (tensorflow: a trace per batch shape) ----
+# `next(iterator)` gives PerReplica values whose type spec comes from their tensors' shapes
+# (`values.PerReplica._type_spec`), so a `tf.function` step called on them (TensorFlow's
+# custom-loop tutorial: `for x in dist_dataset: distributed_train_step(x)`) is traced again
+# for every split it meets: 0.4 s a new split for a small dense model on 3 logical CPUs, and a
+# step-time search tries several. The iterator's `element_spec` leaves the batch dimension
+# unknown; the PerReplica values `next` gives carry it as their type spec
+# (`_ElementSpecPerReplica`), so such a step is traced once for every split, as a step that
+# iterates inside its function is. Private: `values.PerReplica` (`_type_spec`, `values`);
+# canary `test_a_step_on_next_values_is_traced_once_for_every_split`.
+#
+# Both act on the eager iterators `iter(distributed)` makes: the one distributed dataset gets a
+# subclass (no new state) whose `__iter__` hands each to `hold` (to be destroyed off the
+# training loop) and gives it a subclass whose `get_next` types its values by its element spec.
+try:
+    from tensorflow.python.distribute import values as _tf_values
+except ImportError:  # pragma: no cover - upstream change; the canary says so
+    _tf_values = None
+
+if _tf_values is not None:
+    class _ElementSpecPerReplica(_tf_values.PerReplica):
+        """A PerReplica value typed by the spec given (its iterator's element spec)."""
+
+        def __init__(self, values, spec):
+            super().__init__(values)
+            self._element_spec = spec
+
+        @property
+        def _type_spec(self):
+            return self._element_spec
 
 
-def hold_iterators(distributed, hold):
-    """Makes `iter(distributed)` hand each eager iterator to `hold(iterator)` as well."""
+def typed_by_element_spec(value, element_spec):
+    """`value` (an eager element of a distributed iterator) with each PerReplica value typed by
+    the matching spec of `element_spec`; anything else as it is."""
+    if _tf_values is None:  # pragma: no cover - upstream change
+        return value
+
+    def typed(leaf, spec):
+        if type(leaf) is _tf_values.PerReplica and isinstance(spec, _tf_values.PerReplicaSpec):
+            return _ElementSpecPerReplica(leaf.values, spec)
+        return leaf
+
+    try:
+        return tf.nest.map_structure(typed, value, element_spec)
+    except (TypeError, ValueError) as error:  # pragma: no cover - upstream change
+        logger.debug("distributed values keep their own type spec (%s)", error)
+        return value
+
+
+_ADAPTED_CLASSES = {}
+
+
+def _subclass(base, key, make_methods):
+    """The subclass of `base` (same names, no new state) with `make_methods()`, one per key."""
+    adapted = _ADAPTED_CLASSES.get((base, key))
+    if adapted is None:
+        adapted = type(base.__name__, (base,), dict(
+            make_methods(), __module__=base.__module__, __qualname__=base.__qualname__))
+        _ADAPTED_CLASSES[base, key] = adapted
+    return adapted
+
+
+def _typed_iterator_methods(base):
+    def get_next(self, name=None):
+        value = base.get_next(self, name)
+        if not tf.executing_eagerly():
+            return value
+        return typed_by_element_spec(value, self.element_spec)
+
+    return {"get_next": get_next}
+
+
+def adapt_iterators(distributed, hold):
+    """Makes `iter(distributed)` hand each eager iterator to `hold(iterator)`, and its values
+    typed by its element spec (see above)."""
     base = type(distributed)
-    held = _HELD_ITERATORS_CLASSES.get((base, hold))
-    if held is None:
+
+    def dataset_methods():
         def __iter__(self):
             iterator = base.__iter__(self)
             if tf.executing_eagerly():
                 hold(iterator)
+                typed = type(iterator)
+                iterator.__class__ = _subclass(typed, "typed",
+                                               lambda: _typed_iterator_methods(typed))
             return iterator
 
-        held = type(base.__name__, (base,), {"__iter__": __iter__, "__module__": base.__module__,
-                                             "__qualname__": base.__qualname__})
-        _HELD_ITERATORS_CLASSES[base, hold] = held
-    distributed.__class__ = held
+        return {"__iter__": __iter__}
+
+    distributed.__class__ = _subclass(base, hold, dataset_methods)
     return distributed
 
 
