@@ -232,6 +232,43 @@ def test_custom_loop_with_a_keras_loss_it_holds_is_weighted(cpus):
     assert np.mean(losses) / 3 == pytest.approx(ref_history["loss"][0], rel=1e-5)
 
 
+def test_a_mean_over_replicas_of_their_own_means_is_said_once_with_the_fix(cpus, caplog):
+    # A loop that averages per-replica means over the replicas (strategy.reduce MEAN, axis
+    # None) weights replicas holding 2 and 6 samples alike: under an uneven split that is not
+    # the global mean, so the strategy says so, once, naming the fix. Values the strategy
+    # weighted (a Keras loss the step reaches) and Keras's own steps are not in question.
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([2, 4, 6])
+    dist = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.range(24).map(lambda i: tf.cast(i, tf.float32)).batch(12))
+
+    @tf.function
+    def step(x):
+        means, values = strategy.run(lambda v: (tf.reduce_mean(v), v), args=(x,))
+        return (strategy.reduce("MEAN", means, axis=None),
+                strategy.reduce("MEAN", values, axis=0), strategy.reduce("SUM", means, axis=None))
+
+    with caplog.at_level("WARNING", logger="tf_hetbatch"):
+        results = [[float(t) for t in step(x)] for x in dist]
+    said = [r.getMessage() for r in caplog.records if "equal weights" in r.getMessage()]
+    assert len(said) == 1 and "axis=0" in said[0] and "ReduceOp.SUM" in said[0], said
+    assert [r[1] for r in results] == [5.5, 17.5]  # per-example values: the global means
+    assert results[0][0] == pytest.approx((0.5 + 3.5 + 8.5) / 3)  # what was said
+    caplog.clear()
+    loss_object = keras.losses.MeanSquaredError()
+    weighted = hb.HeteroMirroredStrategy(cpus[:3])
+    model = _dense(weighted)
+    with caplog.at_level("WARNING", logger="tf_hetbatch"):
+        _custom_loop(weighted, model, lambda labels, p: loss_object(labels, p), SPLIT)
+        model.fit(*custom_models.data(64), batch_size=32, epochs=1, verbose=0)
+        x, y = custom_models.data(32)
+        means = weighted.run(lambda a, b: loss_object(b, model(a)),
+                             args=next(iter(weighted.experimental_distribute_dataset(
+                                 tf.data.Dataset.from_tensor_slices((x, y)).batch(32)))))
+        weighted.reduce("MEAN", means, axis=None)
+    assert not [r for r in caplog.records if "equal weights" in r.getMessage()]
+
+
 # --------------------------------------------------------------------- two workers -----------
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "custom_step_train.py")
 

@@ -10,7 +10,7 @@ from tf_hetbatch.distribute import clean_exit
 from tf_hetbatch.distribute.layout import (DeviceLayout, check_all_reduce_argument,
                                           check_devices_argument)
 from tf_hetbatch.distribute import topology
-from tf_hetbatch.distribute.strategy import HeteroMixin
+from tf_hetbatch.distribute.strategy import HeteroMixin, is_mean
 from tf_hetbatch.distribute.topology import PIPELINE_LEAD_STEPS
 from tf_hetbatch.distribute._upstream import collectives, device_layout, keras_callers
 
@@ -125,7 +125,7 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
     def reduce(self, reduce_op, value, axis):
         """As the stock `reduce`, handling what Keras 3 `fit` asks of a multi-worker strategy."""
         if axis is not None and keras_callers.is_scalar_reduce_with_axis(self, value, axis):
-            if _is_mean(reduce_op) and not isinstance(value, tf.distribute.DistributedValues):
+            if is_mean(reduce_op) and not isinstance(value, tf.distribute.DistributedValues):
                 # Keras's logs: this strategy's `run` made them global already (the same
                 # tensor on every worker), and their mean is themselves: no collective.
                 return value
@@ -135,6 +135,3 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
                 lambda v: keras_callers.largest_local_batch(self, v), value)
         return super().reduce(reduce_op, value, axis)
 
-
-def _is_mean(reduce_op):
-    return reduce_op == tf.distribute.ReduceOp.MEAN or str(reduce_op).upper() == "MEAN"

@@ -98,11 +98,13 @@ class StepRunner:
         paths = _log_paths(strategy, outputs, steps)
         if model is not None:
             self._log_paths[model] = paths
-        if not paths:
-            return outputs
-        # Within a multi-step loop only the last step's logs are read: they are made global
-        # once, after the loop (`keras_trainer.deferred_global_logs`).
-        return _logs(strategy, outputs, paths, reduce=not keras_trainer.defer_global_logs())
+        if paths:
+            # Within a multi-step loop only the last step's logs are read: they are made global
+            # once, after the loop (`keras_trainer.deferred_global_logs`).
+            outputs = _logs(strategy, outputs, paths, reduce=not keras_trainer.defer_global_logs())
+        if model is None and distributed and not any(step.seams_weighted for step in steps):
+            _mark_replica_values(strategy, outputs)
+        return outputs
 
     def global_logs(self, model, outputs):
         """Cross-replica context: `outputs` of `model`'s step with every metric result made its
@@ -111,6 +113,21 @@ class StepRunner:
         if not paths or not isinstance(outputs, dict):
             return outputs
         return _logs(self._strategy, outputs, paths, reduce=True)
+
+
+# A custom step's per-replica float outputs that nothing weighted (no Keras loss reached, no
+# metric result): what each replica computed over its own samples. Averaged over the replicas
+# with equal weights (`strategy.reduce("MEAN", v, axis=None)`) they are not the global mean
+# under an uneven split, and the strategy says so (`HeteroMixin.reduce`).
+UNWEIGHTED = "_tf_hetbatch_unweighted"
+
+
+def _mark_replica_values(strategy, outputs):
+    for leaf in tf.nest.flatten(outputs):
+        if _is_distributed(leaf) and all(
+                isinstance(t, tf.Tensor) and t.dtype.is_floating
+                for t in strategy.experimental_local_results(leaf)):
+            setattr(leaf, UNWEIGHTED, True)
 
 
 def _step_data(args):

@@ -47,6 +47,7 @@ class HeteroMixin(micro_batches.LimitsMixin):
         # weights are then known per worker only (see the multi-worker `_step_total`).
         self._weights_in_pipeline = True
         self._said_unsplit = weakref.WeakSet()  # datasets whose unsplit input was logged
+        self._said_unweighted_mean = False
         self._split_input_work = True
         self._user_batched_data = False  # data batched per replica by a user's function
         self._timing = timing.TimingAccumulators(
@@ -397,7 +398,23 @@ class HeteroMixin(micro_batches.LimitsMixin):
         return self._steps.global_logs(model, outputs)
 
     def reduce(self, reduce_op, value, axis):
-        """As `tf.distribute.Strategy.reduce`; see `keras_callers.is_uneven_batch_reduce`."""
+        """As `tf.distribute.Strategy.reduce`; see `keras_callers.is_uneven_batch_reduce`.
+
+        A MEAN over replicas (`axis=None`) of a custom step's per-replica values that the
+        strategy did not weight gives every replica equal weight, whatever its samples: once a
+        strategy, a warning names the fix."""
+        if axis is None and not self._said_unweighted_mean and is_mean(reduce_op) and any(
+                getattr(v, step_run.UNWEIGHTED, False) for v in tf.nest.flatten(value)):
+            self._said_unweighted_mean = True
+            logger.warning(
+                "strategy.reduce(MEAN, value, axis=None) averages the replicas' values with "
+                "equal weights, but tf_hetbatch gives replicas different numbers of samples: "
+                "a value each replica computed over its own samples (tf.reduce_mean of a "
+                "loss or an accuracy) is not the global mean once averaged so. Fix: return "
+                "per-example values and reduce them with axis=0, or sums reduced with SUM and "
+                "divided by the global batch (tf.nn.compute_average_loss(..., "
+                "global_batch_size=B) and ReduceOp.SUM), or update a keras.metrics.Mean in "
+                "the step and read its result().")
         if axis is None and tf.nest.flatten(value) and any(
             keras_callers.is_uneven_batch_reduce(self, reduce_op, v, axis)
             for v in tf.nest.flatten(value)
@@ -573,3 +590,8 @@ def hetero_strategy_of(model, user: str, synchronous: bool = False):
             "asynchronous training itself."
         )
     return strategy
+
+
+def is_mean(reduce_op) -> bool:
+    """Whether `reduce_op` (a ReduceOp or its name) is MEAN."""
+    return reduce_op == tf.distribute.ReduceOp.MEAN or str(reduce_op).upper() == "MEAN"
