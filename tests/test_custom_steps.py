@@ -320,6 +320,8 @@ def test_custom_steps_on_two_workers_equal_one_device(two_worker_run, variant):
         info = json.loads((run_dir / f"worker{index}.json").read_text())
         for key in ref_history:
             np.testing.assert_allclose(info["history"][key], ref_history[key], rtol=1e-5)
+        if variant.startswith("loop"):  # the tutorial's @tf.function step, every split
+            assert info["history"]["later_traces"] == 0
         if variant == "loop_balanced":  # a Balancer in the loop: the same on both workers
             assert info["balancer"] == json.loads(
                 (run_dir / "worker0.json").read_text())["balancer"]

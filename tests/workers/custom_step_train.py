@@ -77,12 +77,18 @@ def train_loop(strategy, n, switch_step, switch_sizes, balancer=None):
             total += float(distributed_train_step(batch))
             batches += 1
             step += 1
+            if step == 1:  # the first call may trace twice (it creates the optimizer's slots)
+                first_traces = distributed_train_step.experimental_get_tracing_count()
             if balancer is not None:
                 balancer.step_end()
             elif step == switch_step:
                 strategy.set_batch_sizes(switch_sizes)
         history["loss"].append(total / batches)
         history["mae"].append(float(train_mae.result()))
+    # Traces of the step after its first call: none for all the splits it met
+    # (`iterators.typed_by_element_spec`).
+    history["later_traces"] = (distributed_train_step.experimental_get_tracing_count()
+                               - first_traces)
     return model, history
 
 
