@@ -402,19 +402,20 @@ class HeteroMixin(micro_batches.LimitsMixin):
 
         A MEAN over replicas (`axis=None`) of a custom step's per-replica values that the
         strategy did not weight gives every replica equal weight, whatever its samples: once a
-        strategy, a warning names the fix."""
+        strategy, the chief's warning names the fix."""
         if axis is None and not self._said_unweighted_mean and is_mean(reduce_op) and any(
                 getattr(v, step_run.UNWEIGHTED, False) for v in tf.nest.flatten(value)):
             self._said_unweighted_mean = True
-            logger.warning(
-                "strategy.reduce(MEAN, value, axis=None) averages the replicas' values with "
-                "equal weights, but tf_hetbatch gives replicas different numbers of samples: "
-                "a value each replica computed over its own samples (tf.reduce_mean of a "
-                "loss or an accuracy) is not the global mean once averaged so. Fix: return "
-                "per-example values and reduce them with axis=0, or sums reduced with SUM and "
-                "divided by the global batch (tf.nn.compute_average_loss(..., "
-                "global_batch_size=B) and ReduceOp.SUM), or update a keras.metrics.Mean in "
-                "the step and read its result().")
+            if self.is_chief:
+                logger.warning(
+                    "strategy.reduce(MEAN, value, axis=None) averages the replicas' values "
+                    "with equal weights, but tf_hetbatch gives replicas different numbers of "
+                    "samples: a value each replica computed over its own samples "
+                    "(tf.reduce_mean of a loss or an accuracy) is not the global mean once "
+                    "averaged so. Fix: return per-example values and reduce them with axis=0, "
+                    "or sums reduced with SUM and divided by the global batch "
+                    "(tf.nn.compute_average_loss(..., global_batch_size=B) and ReduceOp.SUM), "
+                    "or update a keras.metrics.Mean in the step and read its result().")
         if axis is None and tf.nest.flatten(value) and any(
             keras_callers.is_uneven_batch_reduce(self, reduce_op, v, axis)
             for v in tf.nest.flatten(value)
