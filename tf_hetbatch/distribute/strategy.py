@@ -403,30 +403,31 @@ class HeteroMixin(micro_batches.LimitsMixin):
         A MEAN over replicas (`axis=None`) of a custom step's per-replica values that the
         strategy did not weight gives every replica equal weight, whatever its samples: once a
         strategy, the chief's warning names the fix."""
-        if axis is None and not self._said_unweighted_mean and is_mean(reduce_op) and any(
-                getattr(v, step_run.UNWEIGHTED, False) for v in tf.nest.flatten(value)):
-            self._said_unweighted_mean = True
-            if self.is_chief:
-                logger.warning(
-                    "strategy.reduce(MEAN, value, axis=None) averages the replicas' values "
-                    "with equal weights, but tf_hetbatch gives replicas different numbers of "
-                    "samples: a value each replica computed over its own samples "
-                    "(tf.reduce_mean of a loss or an accuracy) is not the global mean once "
-                    "averaged so. Fix: return per-example values and reduce them with axis=0, "
-                    "or sums reduced with SUM and divided by the global batch "
-                    "(tf.nn.compute_average_loss(..., global_batch_size=B) and ReduceOp.SUM), "
-                    "or update a keras.metrics.Mean in the step and read its result().")
-        if axis is None and tf.nest.flatten(value) and any(
-            keras_callers.is_uneven_batch_reduce(self, reduce_op, v, axis)
-            for v in tf.nest.flatten(value)
-        ):
-            return tf.nest.map_structure(
-                lambda v: keras_callers.largest_local_batch(self, v)
-                if keras_callers.is_uneven_batch_reduce(self, reduce_op, v, axis)
-                else super(HeteroMixin, self).reduce(reduce_op, v, axis),
-                value,
-            )
-        return super().reduce(reduce_op, value, axis)
+        if axis is not None or not is_mean(reduce_op):
+            return super().reduce(reduce_op, value, axis)
+        leaves = tf.nest.flatten(value)
+        if any(getattr(v, step_run.UNWEIGHTED, False) for v in leaves):
+            self._say_unweighted_mean()
+        if not any(keras_callers.is_uneven_batch_reduce(self, v) for v in leaves):
+            return super().reduce(reduce_op, value, axis)
+        def each(v):
+            if keras_callers.is_uneven_batch_reduce(self, v):
+                return keras_callers.largest_local_batch(self, v)
+            return super(HeteroMixin, self).reduce(reduce_op, v, axis)
+        return tf.nest.map_structure(each, value)
+
+    def _say_unweighted_mean(self):
+        if self.is_chief and not self._said_unweighted_mean:
+            logger.warning(
+                "strategy.reduce(MEAN, value, axis=None) averages the replicas' values with "
+                "equal weights, but tf_hetbatch gives replicas different numbers of samples: "
+                "a value each replica computed over its own samples (tf.reduce_mean of a "
+                "loss or an accuracy) is not the global mean once averaged so. Fix: return "
+                "per-example values and reduce them with axis=0, or sums reduced with SUM and "
+                "divided by the global batch (tf.nn.compute_average_loss(..., "
+                "global_batch_size=B) and ReduceOp.SUM), or update a keras.metrics.Mean in "
+                "the step and read its result().")
+        self._said_unweighted_mean = True
 
     @property
     def switch_lag_steps(self) -> int:
@@ -595,4 +596,4 @@ def hetero_strategy_of(model, user: str, synchronous: bool = False):
 
 def is_mean(reduce_op) -> bool:
     """Whether `reduce_op` (a ReduceOp or its name) is MEAN."""
-    return reduce_op == tf.distribute.ReduceOp.MEAN or str(reduce_op).upper() == "MEAN"
+    return str(getattr(reduce_op, "value", reduce_op)).upper() == "MEAN"

@@ -115,10 +115,9 @@ def keras_model_distributing_data(max_depth=8):
 # when the global batch does not divide by the replica count). `reduce` of tf_hetbatch strategies
 # recognises that call (axis=None over per-replica values of different batch sizes) and returns
 # the largest replica's batch, which has the shapes the build needs.
-def is_uneven_batch_reduce(strategy, reduce_op, value, axis):
-    if axis is not None or not isinstance(value, tf.distribute.DistributedValues):
-        return False
-    if str(getattr(reduce_op, "value", reduce_op)).upper() != "MEAN":
+def is_uneven_batch_reduce(strategy, value):
+    """Whether a MEAN over replicas (axis None, the caller checks) of `value` is that call."""
+    if not isinstance(value, tf.distribute.DistributedValues):
         return False
     local = strategy.experimental_local_results(value)
     if not all(isinstance(t, tf.Tensor) for t in local) or not tf.executing_eagerly():
