@@ -215,3 +215,23 @@ def flip_a_checkpoint_byte(prefix):
     data[at + values.nbytes // 2] ^= 0xFF
     with open(path, "wb") as f:
         f.write(data)
+
+
+class OutOfMemoryAbove(keras.layers.Layer):
+    """Identity layer whose replica `replica` runs out of memory (a real allocation beyond the
+    machine's memory: TensorFlow's ResourceExhaustedError, where a full GPU reports it) on a
+    batch of more than `size` samples in training."""
+
+    def __init__(self, replica, size, **kwargs):
+        super().__init__(**kwargs)
+        self.replica, self.size = replica, size
+
+    def call(self, inputs, training=None):
+        ctx = tf.distribute.get_replica_context()
+        if not training or ctx is None:
+            return inputs
+        too_big = tf.logical_and(tf.equal(ctx.replica_id_in_sync_group, self.replica),
+                                 tf.shape(inputs)[0] > self.size)
+        length = tf.where(too_big, tf.constant(2**40, tf.int64), tf.constant(1, tf.int64))
+        waste = tf.zeros(tf.reshape(length, [1]), inputs.dtype)  # 4 TiB when too big
+        return inputs + 0.0 * waste[0]

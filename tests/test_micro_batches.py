@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 import tf_hetbatch as hb
-from helpers import (BatchLogs, ShapeRecorder, Sink, SwitchAtBatch, max_weight_diff,
-                     regression_data)
+from helpers import (BatchLogs, OutOfMemoryAbove, ShapeRecorder, Sink, SwitchAtBatch,
+                     max_weight_diff, regression_data)
 
 TOL = 1e-5
 BOUND = 6
@@ -109,26 +109,6 @@ def test_micro_batch_count_follows_the_share_across_a_switch(cpus, spe):
     k = switched[0]
     for replica in (0, 1):
         assert seen[replica] == old[replica] * k + new[replica] * (20 - k), replica
-
-
-class OutOfMemoryAbove(keras.layers.Layer):
-    """Identity layer whose replica `replica` runs out of memory (a real allocation beyond the
-    machine's memory: TensorFlow's ResourceExhaustedError, where a full GPU reports it) on a
-    batch of more than `size` samples in training."""
-
-    def __init__(self, replica, size, **kwargs):
-        super().__init__(**kwargs)
-        self.replica, self.size = replica, size
-
-    def call(self, inputs, training=None):
-        ctx = tf.distribute.get_replica_context()
-        if not training or ctx is None:
-            return inputs
-        too_big = tf.logical_and(tf.equal(ctx.replica_id_in_sync_group, self.replica),
-                                 tf.shape(inputs)[0] > self.size)
-        length = tf.where(too_big, tf.constant(2**40, tf.int64), tf.constant(1, tf.int64))
-        waste = tf.zeros(tf.reshape(length, [1]), inputs.dtype)  # 4 TiB when too big
-        return inputs + 0.0 * waste[0]
 
 
 def failing_model(replica, size, seed=1):
@@ -395,7 +375,9 @@ def test_a_lowered_bound_halves_the_share_the_failed_step_had(cpus, caplog):
         "/job:localhost/replica:0/task:0/device:CPU:1 by allocator mklcpu")
     guard = out_of_memory.StepGuard(strategy, keras.Sequential([keras.Input((8,))]))
     with caplog.at_level("WARNING"):
-        assert guard._lower_bound(error, data)
+        asked = guard._asked(error, data)
+        assert asked == [0.0, 9.0, 0.0]
+        guard._lower(asked, error)
     assert strategy.micro_batch_limits == (None, 9, None)
     assert "Replica 1 " in caplog.text and "bound is now 9 samples" in caplog.text
 
@@ -468,3 +450,56 @@ def test_a_worker_hosting_two_replicas_one_bounded_trains_exactly(tmp_path):
     assert len(micro) == 3 * steps and sum(micro) == 16 * steps
     for _, info in outputs:
         np.testing.assert_allclose(info["history"]["loss"], history["loss"], rtol=1e-5)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("layout, sizes, above, lowered", [
+    ("1,1", "5,27", "1,10", [None, 13]),  # 27 fails: bound 13 (micro-batches of 9)
+    ("1,2", "5,16,11", "2,4", [None, None, 5]),  # worker 1's second replica: 11 fails
+], ids=["1+1", "1+2"])
+def test_two_workers_survive_a_step_out_of_memory_exactly(tmp_path, layout, sizes, above,
+                                                          lowered):
+    # A replica of worker 1 runs out of memory above `above` samples (a real allocation
+    # beyond the machine's memory). Its worker joins the step's all-reduce with a stand-in;
+    # no worker applies that step, every worker lowers the same bound and runs the same
+    # batch again: the model and the logs equal one device's, and the chief says each new
+    # bound once.
+    import io
+
+    from test_multi_worker import assert_every_worker_equals, reference_run, run_cluster
+
+    log = io.StringIO()
+    outputs = run_cluster(tmp_path, 2, "--layout", layout, "--sizes", sizes,
+                          "--micro-batch-limits", ",".join("0" for _ in lowered),
+                          "--out-of-memory-above", above, log=log)
+    weights, history = reference_run()
+    assert_every_worker_equals(weights, outputs)
+    for _, info in outputs:
+        assert info["micro_batch_limits"] == lowered
+        np.testing.assert_allclose(info["history"]["loss"], history["loss"], rtol=1e-5)
+    said = [line for line in log.getvalue().splitlines() if "ran out of memory" in line]
+    replica = int(above.split(",")[0])
+    assert len(said) == 1 and said[0].startswith(f"[worker 0] Replica {replica} "), said
+    assert f"bound is now {lowered[replica]} samples" in said[0]
+
+
+@pytest.mark.cluster
+def test_two_workers_stop_together_when_one_sample_does_not_fit(tmp_path):
+    # Replica 1 runs out of memory on any batch: after its bound reached one sample, every
+    # worker raises ResourceExhaustedError (none waits in the step's all-reduce for ever).
+    import io
+
+    from test_multi_worker import WORKER
+
+    from tf_hetbatch.launch import launch
+
+    log = io.StringIO()
+    result = launch([WORKER, "--out", str(tmp_path), "--sizes", "5,27",
+                     "--micro-batch-limits", "0,0", "--out-of-memory-above", "1,0"], 2,
+                    threads=1, timeout=120, stdout=log, stderr=log, handle_signals=False)
+    text = log.getvalue()
+    assert not result.ok and "timed out" not in result.message, result.message
+    for worker in (0, 1):
+        assert any(line.startswith(f"[worker {worker}] ") and "ResourceExhaustedError" in line
+                   for line in text.splitlines()), text[-3000:]
+    assert "another worker's" in text  # worker 0 names the replica it could not wait for

@@ -12,15 +12,18 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_hetbatch as hb  # noqa: E402
+from helpers import OutOfMemoryAbove  # noqa: E402
 from tf_hetbatch.distribute.multi_worker import DEFAULT_SWITCH_MARGIN  # noqa: E402
 
 
@@ -92,13 +95,17 @@ def sample_weights(n):
     return np.random.default_rng(1).uniform(0.2, 3.0, size=(n,)).astype("float32")
 
 
-def build(sink=None, weighted=False, steps_per_execution=1, model="dense", slow_replica=-1):
+def build(sink=None, weighted=False, steps_per_execution=1, model="dense", slow_replica=-1,
+          out_of_memory_above=None):
     """The model: "dense" (SGD, L2) or "bn-adam" (SyncBatchNormalization, Adam); with
-    `slow_replica` >= 0 that replica computes more (`ReplicaWork`)."""
+    `slow_replica` >= 0 that replica computes more (`ReplicaWork`); with
+    `out_of_memory_above` (replica, samples) that replica runs out of memory on more samples."""
     keras.utils.set_random_seed(1)
     layers = [keras.Input((8,))]
     if slow_replica >= 0:
         layers.append(ReplicaWork(slow_replica))
+    if out_of_memory_above is not None:
+        layers.append(OutOfMemoryAbove(*out_of_memory_above))
     layers.append(IdRecorder(sink) if sink is not None else keras.layers.Lambda(
         lambda t: t * tf.constant([0.0] + [1.0] * 7)))
     if model == "bn-adam":
@@ -260,6 +267,8 @@ def main():
     parser.add_argument("--stock-worker", type=int, default=-1,
                         help="this worker creates a stock MultiWorkerMirroredStrategy (it never "
                         "publishes its devices); the others wait 2 s for it")
+    parser.add_argument("--out-of-memory-above", default="",
+                        help="R,S : replica R runs out of memory on more than S samples")
     args = parser.parse_args()
     logging.getLogger("tf_hetbatch").setLevel(logging.INFO)
     if args.log_collectives:
@@ -286,7 +295,9 @@ def main():
     with strategy.scope():
         model = build(sink, weighted=args.sample_weight,
                       steps_per_execution=args.steps_per_execution, model=args.model,
-                      slow_replica=args.slow_replica)
+                      slow_replica=args.slow_replica,
+                      out_of_memory_above=[int(v) for v in args.out_of_memory_above.split(
+                          ",")] if args.out_of_memory_above else None)
     callbacks = []
     dynamic = None
     if args.dynamic:
@@ -389,6 +400,7 @@ def main():
                 "per_epoch": per_epoch.counts,
                 "collectives": collectives_of(model.train_function),
                 "calls": sink.calls,
+                "micro_batch_limits": strategy.micro_batch_limits,
             },
             f,
         )

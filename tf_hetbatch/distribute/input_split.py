@@ -161,6 +161,11 @@ class Allocation:
         trained at the current step (read it after the step's inputs are there)."""
         return self.totals.read_value()[self.trained.read_value() % self.TOTALS]
 
+    def step_variables(self):
+        """What `count_trained_step` changes: a step that is run again restores them."""
+        counted = [self.trained, self.skip]
+        return counted + [self.fingerprint] if self.keyed_by_step else counted
+
     def count_trained_step(self):
         """In the train step (cross-replica context): one more step trained, skip cleared
         (several workers: its global batch's fingerprint added to the trained ones')."""

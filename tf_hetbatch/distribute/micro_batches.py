@@ -76,6 +76,7 @@ class Limits:
             # One entry per replica, 0: no bound. Read once per step (no retrace).
             self.variable = tf.Variable(tf.zeros([num_replicas], tf.int64), trainable=False,
                                         name="hetbatch_micro_batch_limits")
+        self.failures = out_of_memory.FailureFlags(num_replicas, device)
 
     @property
     def values(self) -> Optional[_core.Limits]:
@@ -97,11 +98,22 @@ class Limits:
         self.variable.assign(_core.limits_array(values))
 
     def guard_steps(self, strategy, model) -> None:
-        """With limits set, on one host, `model`'s Keras training steps survive running out
-        of memory (`out_of_memory`); a no-op without limits or across workers."""
-        one_host = strategy.num_local_replicas == strategy.num_replicas_in_sync
-        if self.in_use and model is not None and one_host:
-            keras_trainer.guard_train_step(model, out_of_memory.StepGuard(strategy, model))
+        """With limits set, `model`'s Keras training steps survive running out of memory
+        (`out_of_memory`); a no-op without limits. Across workers the steps then also carry
+        the failure flags (`flags_of_step`)."""
+        if not self.in_use or model is None:
+            return
+        across = strategy.num_local_replicas != strategy.num_replicas_in_sync
+        guard = out_of_memory.StepGuard(strategy, model, self.failures if across else None)
+        if keras_trainer.guard_train_step(model, guard) and across:
+            self.failures.in_steps = True
+
+    def flags_of_step(self, carry_logs: bool, model):
+        """The failure flags `model`'s step's one all-reduce carries (Keras's own train step,
+        across workers, once guarded), or None."""
+        if carry_logs and model is not None and self.failures.in_steps:
+            return self.failures.of_step(model)
+        return None
 
     def lower(self, replica: int, limit: int) -> None:
         """Lowers one replica's bound (after a step ran out of memory)."""

@@ -6,33 +6,48 @@ is taken from the iterator first, so a step that fails with `tf.errors.ResourceE
 can be run again on the same batch. Such a step applied nothing: the update waits for every
 micro-batch's gradients and the all-reduce after them (`micro_batches`, `updates`); what it
 changed before failing (the metric variables of its first micro-batches, the optimizer's
-step count) is restored from a copy taken before the step. The replica that failed is read from the error (the device
-TensorFlow names in its "OOM when allocating ... on <device>" message); its bound becomes
-half the micro-batch it failed on (`core.micro_batches.lowered_limit`), the strategy logs one
-line naming the replica and its new bound, and the step is run again, until it fits or a
-micro-batch of one sample does not (then the error is raised, as without the guard).
+step count, the strategy's count of steps trained) is restored from a copy taken before the
+step. The replica that failed is read from the error (the device TensorFlow names in its "OOM
+when allocating ... on <device>" message); its bound becomes half the micro-batch it failed
+on (`core.micro_batches.lowered_limit`), the strategy logs one line naming the replica and its
+new bound, and the step is run again, until it fits or a micro-batch of one sample does not
+(then the error is raised, as without the guard).
+
+Several workers: the other workers' replicas are waiting in the step's all-reduce when one
+worker's replica fails. The failing worker joins that all-reduce with a stand-in of the same
+values (`FailureFlags.join`: zeros of the same dtypes and shapes, so the collective's instance
+keys, derived from them, are the same), whose last entry carries, per replica, the bound the
+failure asks for (0: none failed; -1: nothing can help). Every worker's step applies its
+update only where that entry is all zeros (as a LossScaleOptimizer applies only finite
+gradients) and keeps it in `FailureFlags.variable`; each worker's guard reads it after the
+step, restores what the step changed, lowers the same bounds and runs the same batch again.
+So no worker applies a step another could not finish, and they all re-run it together. This
+covers Keras's own `train_step` (its one all-reduce carries the gradients and the metrics);
+a step with another collective (a guide-style `train_step`, whose logs take a second
+all-reduce) cannot be stood in for: its out-of-memory error ends the run as before.
 
 The cost: the batch taken eagerly and the metric variables copied, about 0.6-0.8 ms a step
 (one host, 3 logical CPUs, a small dense model: 2.5-3.2 ms a step without limits, 3.2-3.6
-with limits all None, 2.8-3.0 with limits but no guard).
+with limits all None, 2.8-3.0 with limits but no guard); across workers also one read of the
+flags after each step (the loop waits for the step there).
 
 On a GPU this is where TensorFlow reports a full device. On CPUs the same path is exercised by
 tests that allocate beyond the machine's memory above a chosen micro-batch size.
 
-One host only: every replica is in this process, so the failed step ends on all of them and
-they all run it again. Across workers the guard is not installed: a worker that ran the step
-again alone was seen to hang with the other workers waiting in the step's all-reduce (two
-workers, TensorFlow 2.21), so the error ends the run as before; and with
-`steps_per_execution` > 1 the failed execution has applied its earlier steps.
+With `steps_per_execution` > 1 no step is guarded: a failed execution has applied its
+earlier steps.
 """
 
+import dataclasses
 import logging
 import re
-from typing import Callable, Optional
+import weakref
+from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
 from tf_hetbatch.core import micro_batches as _core
+from tf_hetbatch.distribute import updates
 
 logger = logging.getLogger(__name__)
 
@@ -70,18 +85,101 @@ def micro_batch_size(share: int, limit: Optional[int]) -> int:
     return -(-int(share) // count)
 
 
+# Entries of the flags: per replica 0 (it fitted), the bound its failure asks for, or _HOPELESS.
+_HOPELESS = -1.0
+
+
+class FailureFlags:
+    """Across workers: per replica, what its step's failure asks for, carried in the step's
+    all-reduce (see the module docs).
+
+    Args:
+        num_replicas: the replicas in sync.
+        device: the host device of `variable`.
+    """
+
+    def __init__(self, num_replicas: int, device: str):
+        self.num_replicas = num_replicas
+        with tf.init_scope(), tf.device(device):
+            # The last step's flags, summed across replicas (read by the guard after it).
+            self.variable = tf.Variable(tf.zeros([num_replicas], tf.float32), trainable=False,
+                                        name="hetbatch_out_of_memory_flags")
+        self.in_steps = False  # set once a guard across workers is installed
+        # model -> [(dtype, shape)] of its step's all-reduce, at the step's latest trace
+        self._packs = weakref.WeakKeyDictionary()
+        self._join = None  # (specs, the traced stand-in of the last join)
+
+    def of_step(self, model) -> "StepFlags":
+        """What `model`'s step carries and receives (`updates`)."""
+        return StepFlags(self, model)
+
+    def can_join(self, model) -> bool:
+        """Whether `model`'s step had one all-reduce that carried the flags when traced."""
+        return model in self._packs
+
+    def none(self) -> tf.Tensor:
+        """Replica context: this replica's entry of a step that fitted."""
+        return tf.zeros([self.num_replicas], tf.float32)
+
+    def received(self, summed: tf.Tensor, pack, model) -> tf.Tensor:
+        """Replica context: keeps the step's summed flags; whether its update may apply.
+        `pack`: the values `model`'s step all-reduce summed (the stand-in's shapes, dtypes)."""
+        self._packs[model] = [(v.dtype, tuple(v.shape)) for v in pack]
+        kept = self.variable.assign(summed)
+        with tf.control_dependencies([kept]):
+            return tf.reduce_all(tf.equal(summed, 0.0))
+
+    def join(self, strategy, model, asked) -> None:
+        """Eager, on the worker whose step of `model` failed: joins the other workers' step
+        all-reduce with zeros and this worker's flags `asked` ([K], see the module docs)."""
+        specs = list(self._packs[model])
+        join = self._join
+        if join is None or join[0] != specs:
+            def stand_in(flags):
+                def replica_fn():
+                    ctx = tf.distribute.get_replica_context()
+                    mine = tf.one_hot(ctx.replica_id_in_sync_group, self.num_replicas) * flags
+                    pack = [tf.zeros(shape, dtype) for dtype, shape in specs[:-1]] + [mine]
+                    summed = updates.sum_across_replicas(pack, after_every_local_replica=True)
+                    return self.variable.assign(summed[-1]).read_value()
+                with strategy.scope():
+                    return strategy.extended.call_for_each_replica(replica_fn)
+
+            join = self._join = (specs, tf.function(stand_in))
+        join[1](tf.constant(asked, tf.float32))
+
+    def read(self):
+        return self.variable.numpy()
+
+
+@dataclasses.dataclass
+class StepFlags:
+    """The failure flags as one model's step carries them (`FailureFlags.of_step`)."""
+
+    flags: FailureFlags
+    model: Any
+
+    def none(self) -> tf.Tensor:
+        return self.flags.none()
+
+    def received(self, summed: tf.Tensor, pack) -> tf.Tensor:
+        return self.flags.received(summed, pack, self.model)
+
+
 class StepGuard:
     """Runs one training step; on out-of-memory lowers the failing replica's bound and runs it
-    again (see the module docs).
+    again, on every worker (see the module docs).
 
     Args:
         strategy: the tf_hetbatch strategy (its `_micro_batches` limits are lowered).
         model: the Keras model whose steps are guarded (its metric variables are restored).
+        flags: the strategy's `FailureFlags` across workers; None on one host.
     """
 
-    def __init__(self, strategy, model):
+    def __init__(self, strategy, model, flags: Optional[FailureFlags] = None):
         self._strategy = strategy
         self._model = model
+        self._flags = flags
         self._read_metrics = (None, None)  # (ids of the variables, the traced read)
 
     def __call__(self, run_step: Callable, data=None):
@@ -92,15 +190,29 @@ class StepGuard:
             # Its step count is advanced with no dependency on the data, so also by a step
             # that fails (as Keras's own extra step at the end of a resumed epoch).
             variables.append(optimizer.iterations)
+        variables += self._strategy._allocation.step_variables()
         saved = self._snapshot(variables)
         while True:
             try:
-                return run_step()
+                outputs = run_step()
             except tf.errors.ResourceExhaustedError as error:
-                if not self._lower_bound(error, data):
+                asked = self._asked(error, data)
+                if asked is None:
                     raise
-                for variable, value in zip(variables, saved):
-                    variable.assign(value)
+                if self._flags is None:
+                    self._lower(asked, error)
+                else:
+                    self._flags.join(self._strategy, self._model, asked)
+                    self._lower(self._flags.read(), error)
+            else:
+                if self._flags is None:
+                    return outputs
+                asked = self._flags.read()
+                if not asked.any():
+                    return outputs
+                self._lower(asked, None)
+            for variable, value in zip(variables, saved):
+                variable.assign(value)
 
     def _snapshot(self, variables):
         if not variables:
@@ -111,25 +223,56 @@ class StepGuard:
             self._read_metrics = ([id(v) for v in variables], read)
         return read()
 
-    def _lower_bound(self, error, data) -> bool:
-        """Lowers the bound of the replica `error` names; False when nothing can help."""
+    def _asked(self, error, data):
+        """[K] flags of this worker's failure (`_HOPELESS` where nothing can help), or None
+        (raise it: nothing can help and no other worker waits for this one)."""
         strategy = self._strategy
         replica = replica_of_error(strategy, error)
         share = None if replica is None else _share(strategy, data, replica)
-        if share is None:
-            return False
-        limits = strategy.micro_batch_limits or (None,) * strategy.num_replicas_in_sync
-        tried = micro_batch_size(share, limits[replica])
-        if limits[replica] is not None:
-            tried = min(tried, limits[replica])
-        lowered = _core.lowered_limit(tried)
-        if lowered is None:
-            return False
-        strategy._micro_batches.lower(replica, lowered)
-        logger.warning(
-            "Replica %d ran out of memory in a training step (nothing was applied): its "
-            "micro-batch bound is now %d samples, and the step runs again.", replica, lowered)
-        return True
+        lowered = None
+        if share is not None:
+            limits = strategy.micro_batch_limits or (None,) * strategy.num_replicas_in_sync
+            tried = micro_batch_size(share, limits[replica])
+            if limits[replica] is not None:
+                tried = min(tried, limits[replica])
+            lowered = _core.lowered_limit(tried)
+        if self._flags is None:
+            return None if lowered is None else _flags_of(strategy, {replica: lowered})
+        if not self._flags.can_join(self._model):
+            return None  # no all-reduce to stand in for: the error ends the run (module docs)
+        if replica is None:
+            replica = _first_local_replica(strategy)  # unknown: the others must still stop
+        return _flags_of(strategy, {replica: lowered or _HOPELESS})
+
+    def _lower(self, asked, error) -> None:
+        """Lowers every bound the flags `asked` for, logging each (the chief, across workers);
+        raises where nothing can help."""
+        strategy = self._strategy
+        hopeless = [r for r, v in enumerate(asked) if v < 0]
+        if hopeless:
+            if error is not None:
+                raise error
+            raise tf.errors.ResourceExhaustedError(None, None, (
+                f"Replica {hopeless[0]} (another worker's) ran out of memory in a training step "
+                "on a micro-batch of one sample, or on a device the strategy could not tell; "
+                "its worker raised the error. Fix: a smaller model or a device with more "
+                "memory for that replica."))
+        for replica, bound in enumerate(asked):
+            if bound <= 0:
+                continue
+            strategy._micro_batches.lower(replica, int(bound))
+            if self._flags is None or strategy.is_chief:
+                logger.warning(
+                    "Replica %d ran out of memory in a training step (nothing was applied): "
+                    "its micro-batch bound is now %d samples, and the step runs again.",
+                    replica, int(bound))
+
+
+def _flags_of(strategy, bounds):
+    flags = [0.0] * strategy.num_replicas_in_sync
+    for replica, bound in bounds.items():
+        flags[replica] = float(bound)
+    return flags
 
 
 def _share(strategy, data, replica: int) -> Optional[int]:

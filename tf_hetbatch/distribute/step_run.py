@@ -72,6 +72,8 @@ class StepRunner:
                 start_time=start_time, samples=samples, timing=strategy._timing,
                 carry_logs=carry_logs, optimizers_reached=bool(optimizers),
                 sync_batch_norm=sync_batch_norm,
+                failure_flags=None if plan is None else strategy._micro_batches.flags_of_step(
+                    carry_logs, model),
             )
             steps.append(step)
             with weighting.replica_step(step):

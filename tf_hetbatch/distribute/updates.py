@@ -95,15 +95,23 @@ def _apply_summed(optimizer, original_apply, summed, trainable_variables):
         return original_apply(summed, trainable_variables)
 
 
-def _sum_with_timing(step, values, after_every_local_replica=False):
+def _sum_with_timing(step, values, after_every_local_replica=False, flags=None):
     """Replica context: `values` summed across replicas; the step's first sum also carries the
-    replica's timing table (`timing`), records it and stamps the release."""
+    replica's timing table (`timing`), records it and stamps the release. With `flags`
+    (`out_of_memory.FailureFlags`) the sum also carries them, and `step.apply_if` says whether
+    the step may apply its update (a step another worker could not finish records no time)."""
     row, step.timing_row = step.timing_row, None
+    extra = ([] if row is None else [row]) + ([] if flags is None else [flags.none()])
+    summed = sum_across_replicas(values + extra, after_every_local_replica)
+    if flags is not None:
+        step.apply_if = flags.received(summed.pop(), values + extra)
     if row is None:
-        return sum_across_replicas(values, after_every_local_replica)
-    summed = sum_across_replicas(values + [row], after_every_local_replica)
-    step.timing.record(summed[-1])
-    return step.timing.record_release(summed[:-1])
+        return summed
+    table = summed.pop()
+    if step.apply_if is not None:
+        table = table * tf.cast(step.apply_if, table.dtype)
+    step.timing.record(table)
+    return step.timing.record_release(summed)
 
 
 def finish_step(step: ReplicaStep, model, outputs):
@@ -120,10 +128,15 @@ def finish_step(step: ReplicaStep, model, outputs):
     metric_values = metrics.summable_metric_variables(model.metrics)
     locals_ = [tf.identity(v) for v in metric_values] if metric_values is not None else []
     dense = [g for g in grads if g is not None]
-    summed = _sum_with_timing(step, dense + locals_, step.micro_batched)
+    flags = step.failure_flags if metric_values is not None else None  # one all-reduce only
+    summed = _sum_with_timing(step, dense + locals_, step.micro_batched, flags)
     summed_grads, sums = summed[:len(dense)], summed[len(dense):]
     summed_grads = iter(summed_grads)
-    apply_summed([None if g is None else next(summed_grads) for g in grads])
+    summed_grads = [None if g is None else next(summed_grads) for g in grads]
+    if step.apply_if is None:
+        apply_summed(summed_grads)
+    else:  # not where another worker's replica ran out of memory (`out_of_memory`)
+        _apply_if(step.apply_if, apply_summed, summed_grads)
     if metric_values is None:
         return outputs, False
     merged = dict(outputs)
@@ -131,6 +144,21 @@ def finish_step(step: ReplicaStep, model, outputs):
         if name in merged:
             merged[name] = tf.convert_to_tensor(value)
     return merged, True
+
+
+def _apply_if(condition, apply_summed, grads):
+    """Replica context: `apply_summed(grads)` where `condition` (the same on every replica)
+    holds. The condition is taken in cross-replica context, as a LossScaleOptimizer does: a
+    `tf.cond` in replica context cannot hold the optimizer's `merge_call`."""
+    def cross_replica(strategy, condition, grads):
+        def apply():
+            strategy.extended.call_for_each_replica(apply_summed, args=(grads,))
+            return tf.constant(True)
+
+        first = strategy.experimental_local_results(condition)[0]
+        return tf.cond(first, apply, lambda: tf.constant(False))
+
+    tf.distribute.get_replica_context().merge_call(cross_replica, args=(condition, grads))
 
 
 def sum_across_replicas(values, after_every_local_replica: bool = False):

@@ -112,6 +112,10 @@ class ReplicaStep:
     timed: bool = False  # the replica's compute time is stamped (once per step)
     # Its timing table (`timing.TimingAccumulators.row`), until the step's first sum carries it.
     timing_row: Optional[tf.Tensor] = None
+    # Across workers, with micro-batch limits: the out-of-memory flags the step's one
+    # all-reduce carries (`out_of_memory.FailureFlags`), and whether its update may apply.
+    failure_flags: Any = None
+    apply_if: Optional[tf.Tensor] = None
 
     def share(self, mode):
         if self.shares is None:
