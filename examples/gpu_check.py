@@ -16,9 +16,10 @@ On a machine with GPUs (a few minutes):
    each, `set_micro_batch_limits`), and the bounded run's exactness against one device.
 
 Up front, each device with memory of its own (a GPU: `tf.config.experimental.get_memory_info`)
-gets a memory bound: the peak memory of a training step at two batch sizes, fitted linearly
-(a fixed part plus a part per sample) and solved for the device's free memory (as nvidia-smi
-reports it before the probe: an estimate, TensorFlow's own pool and other processes move it).
+gets a memory bound from `tf_hetbatch.probe_micro_batch_limits`: the peak memory of a training
+step at two batch sizes, fitted linearly (a fixed part plus a part per sample) and solved for
+the device's free memory (as nvidia-smi reports it before the probe: an estimate, TensorFlow's
+own pool and other processes move it).
 
 Without a GPU it says which parts it skipped and runs the rest on logical CPUs: two logical
 CPUs stand in for a host with two devices, and the two workers host 1 and 2 logical CPUs with
@@ -30,7 +31,6 @@ import argparse
 import functools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +41,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 BATCH = 64
-PROBE_SIZES = (32, 128)  # the memory probe's two batch sizes
 EXACT = 1e-5  # the same kind of device: float32 rounding only
 EXACT_MIXED = 1e-4  # GPUs and CPUs: different kernels round differently
 
@@ -244,92 +243,35 @@ def micro_batches(devices, split, args):
 
 
 # ------------------------------------------------------------------------- memory ---------
-def memory_name(device):
-    """"GPU:0" for "/gpu:0": the form `tf.config.experimental.get_memory_info` takes."""
-    import tensorflow as tf
-
-    spec = tf.DeviceSpec.from_string(device)
-    return f"{spec.device_type}:{spec.device_index or 0}"
-
-
 def reports_memory(device):
     """Whether `device` has memory of its own that TensorFlow reports: a GPU (or TPU). CPUs
     report the host's allocator (TensorFlow 2.21), shared by every CPU replica and the input
     pipeline: no bound of one replica's."""
     import tensorflow as tf
 
-    if tf.DeviceSpec.from_string(device).device_type not in ("GPU", "TPU"):
+    spec = tf.DeviceSpec.from_string(device)
+    if spec.device_type not in ("GPU", "TPU"):
         return False
     try:
-        tf.config.experimental.get_memory_info(memory_name(device))
+        tf.config.experimental.get_memory_info(f"{spec.device_type}:{spec.device_index or 0}")
     except ValueError:  # memory statistics not tracked
         return False
     return True
 
 
-def free_gpu_memory():
-    """Free bytes per TensorFlow GPU index, from nvidia-smi ({} where it cannot say)."""
-    if os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
-        return {}  # TensorFlow's GPU order may not be nvidia-smi's
-    try:
-        text = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index,uuid,memory.free", "--format=csv,noheader,"
-             "nounits"], capture_output=True, text=True, timeout=60, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    rows = [[c.strip() for c in line.split(",")] for line in text.splitlines() if line.strip()]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:  # an index or a UUID (prefix) per visible GPU, in TF's order
-        entries = [e.strip() for e in visible.split(",") if e.strip()]
-        rows = [row for e in entries for row in rows if e == row[0] or row[1].startswith(e)]
-    try:
-        return {i: int(row[2]) * 2**20 for i, row in enumerate(rows)}
-    except (IndexError, ValueError):
-        return {}
-
-
-def linear_bound(sizes, peaks, free):
-    """Most samples a step fits in `free` bytes, by the line through (size, peak bytes); None
-    if the peaks do not grow with the batch or the free memory is unknown."""
-    slope = (peaks[1] - peaks[0]) / (sizes[1] - sizes[0])
-    if free is None or slope <= 0:
-        return None
-    return max(int((free - (peaks[0] - slope * sizes[0])) // slope), 0)
-
-
-def step_peak(device, size, filters):
-    """Peak memory (bytes above what was in use before) of training steps of `size` samples
-    on `device` alone."""
-    import tensorflow as tf
-
+def probe_memory(devices, args):
+    """Per device with memory of its own (GPUs): its peak memory at the probe's two batch
+    sizes and the bound a linear fit gives for its free memory
+    (`tf_hetbatch.probe_micro_batch_limits`); [] where none has (CPUs)."""
     import tf_hetbatch as hb
 
-    name = memory_name(device)
-    x, y = data(2 * size, seed=2)
-    before = tf.config.experimental.get_memory_info(name)["current"]
-    tf.config.experimental.reset_memory_stats(name)
-    strategy = hb.HeteroMirroredStrategy([device])
-    with strategy.scope():
-        model = make_model(filters)
-    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(size), epochs=1, verbose=0)
-    return tf.config.experimental.get_memory_info(name)["peak"] - before
-
-
-def probe_memory(devices, args):
-    """Per device with memory of its own (GPUs): its peak memory at `PROBE_SIZES` and the
-    bound a linear fit gives for its free memory; [] where none has (CPUs)."""
-    import tensorflow as tf
-
     reporting = [d for d in devices if reports_memory(d)]  # starts the runtime on the GPUs
-    free = free_gpu_memory() if reporting else {}
-    out = []
-    for device in reporting:
-        peaks = [step_peak(device, size, args.filters) for size in PROBE_SIZES]
-        spec = tf.DeviceSpec.from_string(device)
-        room = free.get(spec.device_index or 0) if spec.device_type == "GPU" else None
-        out.append({"device": device, "sizes": list(PROBE_SIZES), "peak_bytes": peaks,
-                    "free_bytes": room, "bound": linear_bound(PROBE_SIZES, peaks, room)})
-    return out
+    if not reporting:
+        return []
+    probes = hb.probe_micro_batch_limits(functools.partial(make_model, args.filters),
+                                         data(256, seed=2), reporting)
+    return [{"device": p.device, "sizes": list(p.sizes), "peak_bytes": list(p.peak_bytes),
+             "free_bytes": p.memory_bytes, "bound": p.bound} for p in probes]
 
 
 # ------------------------------------------------------------------------- two workers ----

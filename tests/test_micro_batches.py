@@ -503,3 +503,39 @@ def test_two_workers_stop_together_when_one_sample_does_not_fit(tmp_path):
         assert any(line.startswith(f"[worker {worker}] ") and "ResourceExhaustedError" in line
                    for line in text.splitlines()), text[-3000:]
     assert "another worker's" in text  # worker 0 names the replica it could not wait for
+
+
+# --------------------------------------------------------------------- the up-front probe ----
+def test_the_probe_bounds_a_step_by_the_memory_it_may_use():
+    # Real peaks of TensorFlow's CPU allocator (one device probed at a time, in a process of
+    # its own: this one uses the system allocator, which keeps no statistics). They grow with
+    # the batch; a budget of the line's value at 64 samples gives a bound near 64 on both
+    # devices, a step at that bound fits the budget and one at twice it does not, and a model with 4x the activations per sample fits far fewer samples in room
+    # for 512 of the small one's.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "workers", "memory_probe_run.py")
+    run = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.split("PROBES ", 1)[1])
+    first = found["first"]
+    assert first["peak_bytes"][1] > first["peak_bytes"][0] > 0 and first["bound"] is None
+    bounds = [p["bound"] for p in found["at_64"]]
+    assert all(32 < b < 128 for b in bounds), found["at_64"]  # between the probed sizes
+    budget = found["at_64"][0]["memory_bytes"]
+    at_bound, at_twice = found["check"]["peak_bytes"]  # steps at the bound and twice it
+    assert at_bound <= 1.15 * budget < 1.15 * at_twice, (budget, found["check"])
+    assert 1 <= found["large"]["bound"] < 256, found["large"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"sizes": (128, 32)}, "two increasing ints"),
+    ({"steps": 0}, "steps must be"),
+    ({"memory_bytes": [1, 2, 3]}, "3 entries for 1 devices"),
+])
+def test_the_probe_refuses_bad_arguments_naming_them(cpus, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        hb.probe_micro_batch_limits(lambda: None, ([0.0],), [cpus[0]], **kwargs)

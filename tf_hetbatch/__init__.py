@@ -23,6 +23,8 @@ _PUBLIC = {
     "ReplicaTimes": "tf_hetbatch.core.measurements",
     "Staleness": "tf_hetbatch.core.measurements",
     "split_here": "tf_hetbatch.distribute.input_work",
+    "probe_micro_batch_limits": "tf_hetbatch.distribute.memory_probe",
+    "MemoryProbe": "tf_hetbatch.distribute.memory_probe",
     # Protocols the strategies and controllers implement (no TensorFlow import).
     "SplitStrategy": "tf_hetbatch.core.protocols",
     "SynchronousSplitStrategy": "tf_hetbatch.core.protocols",
