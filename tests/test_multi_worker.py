@@ -333,15 +333,17 @@ def test_layout_workers_hosting_different_numbers_of_replicas_train_exactly(
 
 def test_layout_dynamic_batching_moves_samples_from_a_slow_replica(tmp_path):
     # Replica 0 (worker 0) computes more per sample, in TensorFlow (`ReplicaWork`): the
-    # controller moves samples to both replicas of worker 1, per replica; still exact.
+    # controller moves samples to both replicas of worker 1, per replica; still exact. 120
+    # steps: alone the rule moves at step 20-26, but beside the suite's other clusters its
+    # models were once not sure within 60 steps (one search step of 1 sample by the end).
     outputs = run_cluster(tmp_path, 2, "--layout", "1,2", "--slow-replica", "0",
-                          "--dynamic", "model", "--n", "1920", "--epochs", "1")
+                          "--dynamic", "model", "--n", "3840", "--epochs", "1")
     sizes = outputs[0][1]["batch_sizes"]
     assert all(info["batch_sizes"] == sizes for _, info in outputs)
     history = outputs[0][1]["dynamic"]
     assert history[0]["new"] == [11, 11, 10], history
     assert sizes[0] < 11 and sizes[1] > 11 and sizes[2] > 10, history
-    assert_every_worker_equals(reference_run(n=1920, epochs=1)[0], outputs)
+    assert_every_worker_equals(reference_run(n=3840, epochs=1)[0], outputs)
 
 
 @pytest.mark.parametrize("args, message, workers", [

@@ -98,7 +98,7 @@ def _apply_summed(optimizer, original_apply, summed, trainable_variables):
 def _sum_with_timing(step, values, after_every_local_replica=False, flags=None):
     """Replica context: `values` summed across replicas; the step's first sum also carries the
     replica's timing table (`timing`), records it and stamps the release. With `flags`
-    (`out_of_memory.FailureFlags`) the sum also carries them, and `step.apply_if` says whether
+    (`out_of_memory.StepFlags`) the sum also carries them, and `step.apply_if` says whether
     the step may apply its update (a step another worker could not finish records no time)."""
     row, step.timing_row = step.timing_row, None
     extra = ([] if row is None else [row]) + ([] if flags is None else [flags.none()])
