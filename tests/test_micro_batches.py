@@ -510,8 +510,9 @@ def test_the_probe_bounds_a_step_by_the_memory_it_may_use():
     # Real peaks of TensorFlow's CPU allocator (one device probed at a time, in a process of
     # its own: this one uses the system allocator, which keeps no statistics). They grow with
     # the batch; a budget of the line's value at 64 samples gives a bound near 64 on both
-    # devices, a step at that bound fits the budget and one at twice it does not, and a model with 4x the activations per sample fits far fewer samples in room
-    # for 512 of the small one's.
+    # devices, a step at that bound fits the budget and one at twice it does not, and a model
+    # with 4x the activations per sample fits far fewer samples in room for 512 of the small
+    # one's.
     import json
     import os
     import subprocess
