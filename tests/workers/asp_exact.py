@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import worker_start  # noqa: F401  (first: before TensorFlow)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

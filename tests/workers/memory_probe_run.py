@@ -8,8 +8,9 @@ import json
 import os
 import sys
 
-os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
 os.environ["TF_ONEDNN_USE_SYSTEM_ALLOCATOR"] = "false"
+
+import worker_start  # noqa: E402,F401  (first: before TensorFlow)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import worker_start  # noqa: F401  (first: before TensorFlow)
 
 import tensorflow as tf  # noqa: E402
 

@@ -10,7 +10,7 @@ optimizers need), joins, and prints ``final loss <value>``.
 import argparse
 import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import worker_start  # noqa: F401  (first: before TensorFlow)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
