@@ -13,7 +13,6 @@ difference.
 
 import argparse
 import json
-import os
 import sys
 
 import worker_start  # noqa: F401  (first: before TensorFlow)

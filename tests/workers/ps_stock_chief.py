@@ -8,7 +8,6 @@ optimizers need), joins, and prints ``final loss <value>``.
 """
 
 import argparse
-import os
 
 import worker_start  # noqa: F401  (first: before TensorFlow)
 
