@@ -37,7 +37,7 @@ def main():
     data = (rng.random((128, 48, 48, 3), dtype=np.float32), rng.integers(0, 4, 128))
     small, large = conv_model(16), conv_model(64)
     (first,) = hb.probe_micro_batch_limits(small, data, ["/cpu:0"])
-    slope = (first.peak_bytes[1] - first.peak_bytes[0]) / 96
+    slope = (first.peak_bytes[1] - first.peak_bytes[0]) / (first.sizes[1] - first.sizes[0])
     at_64 = hb.probe_micro_batch_limits(small, data, ["/cpu:0", "/cpu:1"],
                                         memory_bytes=int(first.peak_bytes[0] + 32 * slope))
     # What steps at the bound found for /cpu:0, and at twice it, really peak at.
