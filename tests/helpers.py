@@ -1,7 +1,11 @@
-"""Shared model and data builders for the strategy tests (real Keras, real strategies), and
-the damage a checkpoint can come to (its files cut short or lost)."""
+"""Shared model and data builders for the strategy tests (real Keras, real strategies), runs
+several tests read (`run_once`), and the damage a checkpoint can come to (its files cut short
+or lost)."""
 
+import fcntl
+import json
 import os
+import time
 
 import keras
 import numpy as np
@@ -179,6 +183,30 @@ def cgroups_writable() -> bool:
         return True
     except RuntimeError:
         return False
+
+
+def run_once(tmp_path_factory, name, produce, timeout=600):
+    """(directory, value): `produce(directory)`'s JSON value, computed once per test session,
+    also when several xdist processes ask for it: the first runs it under a file lock in the
+    session's shared temporary directory, the others wait for it (at most `timeout` s) and read
+    what it wrote. For a launched cluster that several tests only read."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    directory, done = shared / name, shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "w") as lock:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name}: another test process held it for {timeout} s")
+                time.sleep(0.2)
+        if not done.exists():
+            directory.mkdir(exist_ok=True)
+            done.write_text(json.dumps(produce(directory)))
+    return directory, json.loads(done.read_text())
 
 
 # ---------------------------------------------------------------------- checkpoint damage

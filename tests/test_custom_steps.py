@@ -19,7 +19,7 @@ import tensorflow as tf
 import custom_models
 import tf_hetbatch as hb
 from tf_hetbatch.launch import launch
-from helpers import max_weight_diff, stock_mirrored
+from helpers import max_weight_diff, run_once, stock_mirrored
 
 TOL = 1e-5
 SPLIT = [4, 12, 16]
@@ -273,44 +273,37 @@ def test_a_mean_over_replicas_of_their_own_means_is_said_once_with_the_fix(cpus,
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "custom_step_train.py")
 
 
+# Trained one after the other in one launched cluster (custom_step_train.py): the first from
+# [5, 27] switched to [20, 12] at its step 3, each later one from the split the one before left,
+# switched back; the balanced loop last (its Balancer decides its splits).
 TWO_WORKER_VARIANTS = (*custom_models.VARIANTS, "loop", "loop_balanced")
-# The variants trained one after the other in one launched cluster. A split set after a
-# cluster has trained lands `switch_margin` steps later, so a variant that follows another
-# starts from that one's last split: only the balanced loop (whose own split is what it
-# decides, not [5, 27]) follows another.
-SHARED_RUNS = {"two_optimizers": ("two_optimizers", "loop_balanced"),
-               "loop_balanced": ("two_optimizers", "loop_balanced")}
+SIZES, SWITCH_SIZES = [5, 27], [20, 12]
 
 
 @pytest.fixture(scope="module")
 def two_worker_run(tmp_path_factory):
-    """run(variant) -> (its results directory, launch result, log): a launched 2-worker
-    cluster trains the variant (and those that share its run), each from the split [5, 27]
-    switched to [20, 12] at its step 3; each run is launched once."""
-    launched = {}
+    """(results directory, {"ok", "message", "log"}) of the one launched 2-worker cluster that
+    trains every variant; <directory>/<variant>/ holds each variant's results."""
 
-    def run(variant):
-        variants = SHARED_RUNS.get(variant, (variant,))
-        if variants not in launched:
-            out = tmp_path_factory.mktemp("custom_steps")
-            log = io.StringIO()
-            result = launch([WORKER, "--out", str(out), "--variants", ",".join(variants),
-                             "--sizes", "5,27", "--n", "320",
-                             "--switch-step", "3", "--switch-sizes", "20,12"],
-                            2, threads=1, timeout=240, stdout=log, stderr=log,
-                            handle_signals=False)
-            launched[variants] = out, result, log.getvalue()
-        out, result, log = launched[variants]
-        return out / variant, result, log
+    def produce(out):
+        log = io.StringIO()
+        result = launch([WORKER, "--out", str(out), "--variants", ",".join(TWO_WORKER_VARIANTS),
+                         "--sizes", ",".join(map(str, SIZES)), "--n", "320",
+                         "--switch-step", "3",
+                         "--switch-sizes", ",".join(map(str, SWITCH_SIZES))],
+                        2, threads=1, timeout=300, stdout=log, stderr=log,
+                        handle_signals=False)
+        return {"ok": result.ok, "message": result.message, "log": log.getvalue()[-4000:]}
 
-    return run
+    return run_once(tmp_path_factory, "custom_steps", produce)
 
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("variant", TWO_WORKER_VARIANTS)
 def test_custom_steps_on_two_workers_equal_one_device(two_worker_run, variant):
-    run_dir, result, log = two_worker_run(variant)
-    assert result.ok, result.message + "\n" + log[-4000:]
+    out, result = two_worker_run
+    assert result["ok"], result["message"] + "\n" + result["log"]
+    run_dir = out / variant
     ref_variant = "compute_loss" if variant.startswith("loop") else variant
     ref, ref_history = _train(None, ref_variant, n=320)
     for index in range(2):
@@ -326,8 +319,11 @@ def test_custom_steps_on_two_workers_equal_one_device(two_worker_run, variant):
             assert info["balancer"] == json.loads(
                 (run_dir / "worker0.json").read_text())["balancer"]
             assert info["balancer"]["history"][0]["new"] == [16, 16]
-        else:  # 20 steps: the first 3 + DEFAULT_SWITCH_MARGIN at [5, 27], then [20, 12].
-            np.testing.assert_array_equal(info["samples"], [5 * 11 + 20 * 9, 27 * 11 + 12 * 9])
+        else:  # 20 steps: the first 3 + DEFAULT_SWITCH_MARGIN at one split, then the other.
+            start, then = ((SIZES, SWITCH_SIZES) if TWO_WORKER_VARIANTS.index(variant) % 2 == 0
+                           else (SWITCH_SIZES, SIZES))
+            np.testing.assert_array_equal(info["samples"],
+                                          [11 * a + 9 * b for a, b in zip(start, then)])
             assert all(s > 0 for s in info["seconds"])
         if variant == "compute_loss":
             xe, ye = custom_models.data(100, seed=5)

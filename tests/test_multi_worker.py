@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import run_once
 from tf_hetbatch.launch import launch
 
 pytestmark = pytest.mark.cluster  # real worker processes (or subprocesses): see setup.cfg
@@ -24,6 +25,11 @@ def run_cluster(out, num_workers, *args, timeout=240, log=None):
         stdout=log, stderr=log, handle_signals=False,
     )
     assert result.ok, result.message + "\n" + log.getvalue()[-4000:]
+    return outputs_of(out, num_workers)
+
+
+def outputs_of(out, num_workers):
+    """[(weights npz, info dict)] of each worker of a run written to `out`."""
     outputs = []
     for i in range(num_workers):
         weights = np.load(os.path.join(out, f"worker{i}.npz"))
@@ -62,8 +68,10 @@ def assert_every_worker_equals(ref, outputs):
 def switched_weighted(tmp_path_factory):
     """One 2-worker run read by two tests: the split [5, 27] switched to [20, 12] at step 4,
     a sample-weighted mean loss."""
-    return run_cluster(tmp_path_factory.mktemp("switched"), 2, "--sizes", "5,27",
-                       "--switch-step", "4", "--switch-sizes", "20,12", "--sample-weight")
+    out, _ = run_once(tmp_path_factory, "switched_weighted", lambda out: run_cluster(
+        out, 2, "--sizes", "5,27", "--switch-step", "4", "--switch-sizes", "20,12",
+        "--sample-weight") and None)
+    return outputs_of(out, 2)
 
 
 def test_two_workers_exact_with_a_switch_at_the_same_step(switched_weighted):

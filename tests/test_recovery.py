@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 import tf_hetbatch as hb
-from helpers import delete_checkpoint_index, truncate_checkpoint
+from helpers import delete_checkpoint_index, run_once, truncate_checkpoint
 from tf_hetbatch.training import legacy_checkpoint
 from tf_hetbatch.training.recovery import ResumableCheckpoint
 from tf_hetbatch.launch import launch
@@ -178,9 +178,13 @@ def test_resume_on_another_layout_resplits_the_global_batch(tmp_path):
 @pytest.fixture(scope="module")
 def stopped_at_step_14(tmp_path_factory):
     """The checkpoints of 2 workers stopped after step 14: ckpt-12 and ckpt-14 (epoch 1)."""
-    base = tmp_path_factory.mktemp("stopped")
-    result, log = run_cluster(base / "out", base / "ckpt", 2, "--every", "4", "--stop-step", "14")
-    assert result.ok, result.message + "\n" + log[-4000:]
+
+    def produce(base):
+        result, log = run_cluster(base / "out", base / "ckpt", 2, "--every", "4",
+                                  "--stop-step", "14")
+        assert result.ok, result.message + "\n" + log[-4000:]
+
+    base, _ = run_once(tmp_path_factory, "stopped_at_step_14", produce)
     assert checkpoints_in(base / "ckpt") == ["ckpt-12", "ckpt-14"]
     return base / "ckpt"
 

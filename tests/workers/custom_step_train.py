@@ -4,10 +4,12 @@ Trains each of `--variants`, one after the other on the same strategy (one clust
 one of `custom_models.VARIANTS` (a train_step written as Keras's guide teaches) with `fit`, or
 a custom training loop (`loop`: TensorFlow's multi-worker custom-loop guide, `strategy.run` of
 a replica step per global batch) under HeteroMultiWorkerMirroredStrategy, with the split
-`--sizes` switched mid-run, then evaluates; writes <out>/<variant>/worker<i>.npz (weights) and
-worker<i>.json (history, evaluation, the variant's own times). Only the first variant starts
-at `--sizes`: once the cluster has trained, a split lands `switch_margin` steps after it is
-set, so a later variant starts from the one before's last split.
+a split switched mid-run, then evaluates; writes <out>/<variant>/worker<i>.npz (weights) and
+worker<i>.json (history, evaluation, the variant's own times). The first variant starts at
+`--sizes` and switches to `--switch-sizes` at its step `--switch-step`; each later one starts
+from the split the one before left and switches to the other of the two (once the cluster has
+trained, a split lands `switch_margin` steps after it is set, so a variant cannot start at a
+split of its own). `loop_balanced` is balanced by a Balancer instead.
 """
 
 import argparse
@@ -92,9 +94,8 @@ def train_loop(strategy, n, switch_step, switch_sizes, balancer=None):
     return model, history
 
 
-def train_variant(strategy, variant, args, sizes, switch_sizes):
-    """(model, history, evaluation, balancer) of one variant, from the split `sizes`."""
-    strategy.set_batch_sizes(sizes)
+def train_variant(strategy, variant, args, switch_sizes):
+    """(model, history, evaluation, balancer) of one variant, from the current split."""
     evaluation, balancer = {}, None
     if variant.startswith("loop"):
         if variant == "loop_balanced":
@@ -133,10 +134,12 @@ def main():
 
     strategy = hb.HeteroMultiWorkerMirroredStrategy()
     index = strategy.cluster_resolver.task_id
+    strategy.set_batch_sizes(sizes)  # before the first step: the first variant starts there
     for variant in chosen:
         strategy.read_replica_times(reset=True)  # the times below: this variant's alone
-        model, history, evaluation, balancer = train_variant(strategy, variant, args, sizes,
+        model, history, evaluation, balancer = train_variant(strategy, variant, args,
                                                              switch_sizes)
+        sizes, switch_sizes = switch_sizes, sizes  # the next one switches back
         times = strategy.read_replica_times(reset=True)
         out = os.path.join(args.out, variant)
         os.makedirs(out, exist_ok=True)
