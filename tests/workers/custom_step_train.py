@@ -3,8 +3,8 @@
 Trains each of `--variants`, one after the other on the same strategy (one cluster for all):
 one of `custom_models.VARIANTS` (a train_step written as Keras's guide teaches) with `fit`, or
 a custom training loop (`loop`: TensorFlow's multi-worker custom-loop guide, `strategy.run` of
-a replica step per global batch) under HeteroMultiWorkerMirroredStrategy, with the split
-a split switched mid-run, then evaluates; writes <out>/<variant>/worker<i>.npz (weights) and
+a replica step per global batch) under HeteroMultiWorkerMirroredStrategy, with a split
+switched mid-run, then evaluates; writes <out>/<variant>/worker<i>.npz (weights) and
 worker<i>.json (history, evaluation, the variant's own times). The first variant starts at
 `--sizes` and switches to `--switch-sizes` at its step `--switch-step`; each later one starts
 from the split the one before left and switches to the other of the two (once the cluster has

@@ -6,8 +6,8 @@ scripts it imports TensorFlow and Keras, the way that costs least:
 - matplotlib is not importable. Keras imports `matplotlib.pyplot` at start-up when it is
   installed (for an image gallery these scripts never draw), 0.5 s of CPU; Keras catches the
   ImportError and runs unchanged.
-- The cyclic garbage collector is paused during the imports, and what they built (about a
-  million objects that live as long as the process) is then frozen (`gc.freeze`), so no later
+- The cyclic garbage collector is paused during the imports, and what they built (about
+  400,000 objects that live as long as the process) is then frozen (`gc.freeze`), so no later
   collection walks it again; new objects are collected as usual. About 0.5 s of CPU less per
   process, import and training together.
 

@@ -103,8 +103,8 @@ def _import_for_serving() -> None:
     - Nothing here draws: matplotlib is made unimportable (None in ``sys.modules``). Keras
       imports ``matplotlib.pyplot`` at start-up whenever it is installed (0.5 s), in a
       ``try``/``except ImportError``.
-    - The cyclic garbage collector is paused during the imports and what they built (about a
-      million objects that live as long as the process) is then frozen (``gc.freeze``).
+    - The cyclic garbage collector is paused during the imports and what they built (about
+      400,000 objects that live as long as the process) is then frozen (``gc.freeze``).
     """
     sys.modules.setdefault("matplotlib", None)
     gc.disable()
