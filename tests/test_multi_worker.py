@@ -68,9 +68,12 @@ def assert_every_worker_equals(ref, outputs):
 def switched_weighted(tmp_path_factory):
     """One 2-worker run read by two tests: the split [5, 27] switched to [20, 12] at step 4,
     a sample-weighted mean loss."""
-    out, _ = run_once(tmp_path_factory, "switched_weighted", lambda out: run_cluster(
-        out, 2, "--sizes", "5,27", "--switch-step", "4", "--switch-sizes", "20,12",
-        "--sample-weight") and None)
+
+    def produce(out):  # run_cluster asserts the run succeeded; the tests read its files
+        run_cluster(out, 2, "--sizes", "5,27", "--switch-step", "4", "--switch-sizes", "20,12",
+                    "--sample-weight")
+
+    out, _ = run_once(tmp_path_factory, "switched_weighted", produce)
     return outputs_of(out, 2)
 
 

@@ -1,31 +1,20 @@
 """Imported first by every worker script of the tests (the script's own directory is on
 sys.path, so `import worker_start` finds this file). In a process started as one of these
-scripts it imports TensorFlow and Keras, the way that costs least:
-
-- TensorFlow's C++ INFO and WARNING lines stay out of the launcher's logs.
-- matplotlib is not importable. Keras imports `matplotlib.pyplot` at start-up when it is
-  installed (for an image gallery these scripts never draw), 0.5 s of CPU; Keras catches the
-  ImportError and runs unchanged.
-- The cyclic garbage collector is paused during the imports, and what they built (about
-  400,000 objects that live as long as the process) is then frozen (`gc.freeze`), so no later
-  collection walks it again; new objects are collected as usual. About 0.5 s of CPU less per
-  process, import and training together.
+scripts it imports TensorFlow and Keras as a served task does
+(`tf_hetbatch.launch.server.import_tensorflow_lean`: no matplotlib, whose pyplot Keras imports
+at start-up, 0.5 s; the collector paused, then `gc.freeze`: 0.57 s of CPU less for a 2-worker
+mw_train process), and keeps TensorFlow's C++ INFO and WARNING lines out of the launcher's logs.
 
 The suite starts about 150 of these processes, two or three at a time on two cores. The tests
 also import mw_train and resume_train as modules: there nothing of this applies (matplotlib
 stays for test_plot; the test process's imports are its own).
 """
 
-import gc
 import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 if os.path.dirname(os.path.abspath(sys.argv[0])) == os.path.dirname(os.path.abspath(__file__)):
-    sys.modules.setdefault("matplotlib", None)  # None in sys.modules: `import` raises ImportError
-    gc.disable()
-    try:
-        import keras  # noqa: F401  (imports TensorFlow; the runtime starts at its first use)
-    finally:
-        gc.freeze()
-        gc.enable()
+    from tf_hetbatch.launch.server import import_tensorflow_lean
+
+    import_tensorflow_lean()

@@ -96,15 +96,17 @@ def serve(tf_config: Optional[str] = None, stop: Optional[threading.Event] = Non
     return 0
 
 
-def _import_for_serving() -> None:
-    """Imports TensorFlow for a process that only serves, at the least CPU: about 1 s of the
-    3-4 s a start costs on a CPU core.
+def import_tensorflow_lean() -> None:
+    """Imports TensorFlow (and Keras, tf_hetbatch's strategies) for a process that draws
+    nothing, at the least CPU: about 1 s of the 3-4 s a start costs on a CPU core. Call it
+    first, in a process of its own (a served task; the test suite's worker scripts).
 
-    - Nothing here draws: matplotlib is made unimportable (None in ``sys.modules``). Keras
-      imports ``matplotlib.pyplot`` at start-up whenever it is installed (0.5 s), in a
+    - matplotlib is made unimportable (None in ``sys.modules``). Keras imports
+      ``matplotlib.pyplot`` at start-up whenever it is installed (0.5 s), in a
       ``try``/``except ImportError``.
     - The cyclic garbage collector is paused during the imports and what they built (about
-      400,000 objects that live as long as the process) is then frozen (``gc.freeze``).
+      400,000 objects that live as long as the process) is then frozen (``gc.freeze``), so no
+      later collection walks it again; new objects are collected as usual.
     """
     sys.modules.setdefault("matplotlib", None)
     gc.disable()
@@ -129,7 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         format="[server] %(message)s", stream=sys.stderr)
     try:
         task_of(os.environ.get("TF_CONFIG"))  # a bad TF_CONFIG fails before the imports
-        _import_for_serving()
+        import_tensorflow_lean()
         code = serve()
     except ValueError as e:
         parser.error(str(e))  # exits with status 2
