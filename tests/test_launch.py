@@ -51,6 +51,13 @@ def run(script, n, **kw):
     return result, out.getvalue(), err.getvalue(), time.monotonic() - t0
 
 
+def idle_seconds() -> float:
+    """CPU-seconds the machine's cores have spent idle since boot (/proc/stat idle + iowait)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+
+
 def alive(pid: int) -> bool:
     try:
         stat = open(f"/proc/{pid}/stat").read()
@@ -238,11 +245,16 @@ def test_cpu_caps_limit_a_busy_worker(tmp_path, method):
     if method == "cgroup" and not cgroups_writable():
         pytest.skip("cgroup cpu hierarchy not writable here (needs root or delegation)")
     script = write_script(tmp_path, BUSY)
-    result, out, _, _ = run([script, "2.5", "1"], 2, cpus=[0.2, 0.5], cap_method=method)
+    idle_before = idle_seconds()
+    result, out, _, elapsed = run([script, "2.5", "1"], 2, cpus=[0.2, 0.5], cap_method=method)
+    idle_cores = (idle_seconds() - idle_before) / elapsed
     assert result.ok and result.cap_method.startswith(method), result.message
-    # A cap is a ceiling; on a machine busy with other work a worker may get less.
-    assert 0.1 <= cpu_use(out, 0) <= 0.35, out
-    assert 0.2 <= cpu_use(out, 1) <= 0.65, out
+    # A cap is a ceiling. A worker far under its cap while half a core sat idle was held back
+    # by a cap too tight; on a machine busy with other work (the suite's other processes) a
+    # worker may get less than its cap, so there the floor is not judged.
+    assert cpu_use(out, 0) <= 0.35 and cpu_use(out, 1) <= 0.65, out
+    if idle_cores >= 0.5:
+        assert cpu_use(out, 0) >= 0.1 and cpu_use(out, 1) >= 0.2, (idle_cores, out)
     assert our_cgroups() == []
 
 
