@@ -145,7 +145,7 @@ class FailureFlags:
                 with strategy.scope():
                     return strategy.extended.call_for_each_replica(replica_fn)
 
-            join = self._join = (specs, tf.function(stand_in))
+            join = self._join = (specs, tf.function(stand_in, autograph=False))
         join[1](tf.constant(asked, tf.float32))
 
     def read(self):
@@ -219,7 +219,7 @@ class StepGuard:
             return []
         ids, read = self._read_metrics
         if ids != [id(v) for v in variables]:
-            read = tf.function(lambda: [tf.identity(v) for v in variables])
+            read = tf.function(lambda: [tf.identity(v) for v in variables], autograph=False)
             self._read_metrics = ([id(v) for v in variables], read)
         return read()
 

@@ -118,8 +118,9 @@ class Workers:
         per_replica = strategy.experimental_distribute_values_from_function(
             lambda ctx: tables[ctx.replica_id_in_sync_group - first])
         if self._sum_tables is None:
-            self._sum_tables = tf.function(
-                lambda v: strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None))
+            self._sum_tables = tf.function(  # straight-line: no AutoGraph pass to pay
+                lambda v: strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None),
+                autograph=False)
         gathered = self._sum_tables(per_replica).numpy()
         self._check_same_global_batches(gathered[:, -1])
         return gathered[:, :-1].reshape((self.layout.total,) + local_values.shape[1:])
