@@ -60,32 +60,6 @@ def test_the_splits_tf_data_functions_run_inline_as_host_functions():
     assert all("experimental_ints_on_device" not in f.attr for f in user.library.function)
 
 
-def test_autograph_calls_the_splits_functions_as_they_are_and_converts_users_maps_inside():
-    """`tf_data.map_inline` / `flat_map_host` hand tf.data their function marked as an AutoGraph
-    artifact: AutoGraph calls it as it is (a Python `if` on a tensor in it is refused, as in
-    any graph function), but a user's function mapped inside it is converted, as its own
-    `Dataset.map` converts it. If the mark stops working, the first half fails (the split's
-    functions pay AutoGraph's rewrite again: slower, not wrong); if the mark starts to turn
-    AutoGraph off for what the function calls, the second half fails (a user's map with Python
-    control flow, moved after the split, would be refused)."""
-
-    def python_if(v):
-        if v > 2:  # a tensor: only AutoGraph's rewrite makes this a tf.cond
-            return v
-        return -v
-
-    # Not a host function: AutoGraph converts it.
-    assert [int(v) for v in tf.data.Dataset.range(5).map(python_if)] == [0, -1, -2, 3, 4]
-    with pytest.raises(tf.errors.OperatorNotAllowedInGraphError):
-        tf_data.map_inline(tf.data.Dataset.range(5), python_if)
-
-    def host(batch):  # maps a user's function inside, as the split's moved per-sample maps do
-        return tf.data.Dataset.from_tensor_slices(batch).map(python_if).batch(5)
-
-    ds = tf_data.flat_map_host(tf.data.Dataset.range(5).batch(5), host)
-    assert [[int(v) for v in b] for b in ds] == [[0, -1, -2, 3, 4]]
-
-
 def test_tf_data_pipeline_structure_is_readable_from_its_python_objects():
     """`tf_data.pipeline_steps`, `replay_map`, `replay_shuffle`, `mark_split`:
     distribute.input_work moves per-sample maps after the split by reading this structure."""

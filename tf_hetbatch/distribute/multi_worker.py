@@ -12,7 +12,7 @@ from tf_hetbatch.distribute.layout import (DeviceLayout, check_all_reduce_argume
 from tf_hetbatch.distribute import topology
 from tf_hetbatch.distribute.strategy import HeteroMixin, is_mean
 from tf_hetbatch.distribute.topology import PIPELINE_LEAD_STEPS
-from tf_hetbatch.distribute._upstream import collectives, device_layout, keras_callers
+from tf_hetbatch.distribute._upstream import autograph, collectives, device_layout, keras_callers
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_SWITCH_MARGIN = 8
 
 
+@autograph.methods_as_is  # `reduce` in a user's tf.function: as a stock strategy's
 class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMirroredStrategy):
     """`tf.distribute.MultiWorkerMirroredStrategy` with uneven, exactly weighted batches.
 

@@ -26,7 +26,7 @@ from tf_hetbatch.distribute import input_split
 from tf_hetbatch.distribute import micro_batches
 from tf_hetbatch.distribute import updates
 from tf_hetbatch.distribute import weighting
-from tf_hetbatch.distribute._upstream import keras_callers, keras_trainer, metrics
+from tf_hetbatch.distribute._upstream import autograph, keras_callers, keras_trainer, metrics
 
 
 class StepRunner:
@@ -61,6 +61,8 @@ class StepRunner:
                 training_step or (kind is None and optimizers)):
             plan = micro_batches.plan_step(strategy, args, kwargs, sync_batch_norm)
 
+        user_fn = autograph.like_stock_run(fn)  # ours below run as they are (`autograph`)
+
         def replica_fn(*replica_args, **replica_kwargs):
             replica_args, start_time, samples = _start_stamp(replica_args, check_nonempty)
             data_here = _step_data(replica_args)
@@ -78,18 +80,19 @@ class StepRunner:
             steps.append(step)
             with weighting.replica_step(step):
                 if plan is not None:
-                    outputs = micro_batches.run(step, fn, replica_args, replica_kwargs,
+                    outputs = micro_batches.run(step, user_fn, replica_args, replica_kwargs,
                                                 dataclasses.replace(plan, shares_of=shares_of,
                                                                     data_of=_step_data))
                 else:
                     with weighting.user_code(step):
-                        outputs = fn(*replica_args, **replica_kwargs)
+                        outputs = user_fn(*replica_args, **replica_kwargs)
                 if carry_logs:
                     outputs, is_global = updates.finish_step(step, model, outputs)
                     logs_global.append(is_global)
             return outputs
 
-        outputs = stock_run(replica_fn, args=args, kwargs=kwargs, options=options)
+        outputs = stock_run(autograph.as_is(replica_fn), args=args, kwargs=kwargs,
+                            options=options)
         if any(step.gradients_applied for step in steps):
             with tf.control_dependencies(_local_tensors(strategy, outputs)):
                 strategy._allocation.count_trained_step()

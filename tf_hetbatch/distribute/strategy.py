@@ -21,12 +21,13 @@ from tf_hetbatch.distribute import step_run
 from tf_hetbatch.distribute import timing
 from tf_hetbatch.distribute import topology
 from tf_hetbatch.distribute import weighting
-from tf_hetbatch.distribute._upstream import (collectives, iterators, keras_callers,
+from tf_hetbatch.distribute._upstream import (autograph, collectives, iterators, keras_callers,
                                               keras_trainer, tf_data)
 
 logger = logging.getLogger(__name__)
 
 
+@autograph.methods_as_is  # `run`, `reduce` in a user's tf.function: as a stock strategy's
 class HeteroMixin(micro_batches.LimitsMixin):
     """What both synchronous tf_hetbatch strategies add to their stock base class.
 

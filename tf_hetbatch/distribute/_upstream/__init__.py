@@ -1,10 +1,10 @@
 """The quarantine: every use of private TensorFlow/Keras API, every upstream workaround.
 
-One module per upstream topic (`versions`, `collectives`, `keras_trainer`, `keras_callers`,
-`keras_losses`, `metrics`, `tf_data`, `iterators`, `coordination`, `ps_coordinator`,
-`device_layout`), each with its canary tests in `tests/test_upstream_<module>.py`, so an
-upstream change fails loudly there first. Each section names what it works around and the
-upstream issue.
+One module per upstream topic (`versions`, `autograph`, `collectives`, `keras_trainer`,
+`keras_callers`, `keras_losses`, `metrics`, `tf_data`, `iterators`, `coordination`,
+`ps_coordinator`, `device_layout`), each with its canary tests in
+`tests/test_upstream_<module>.py`, so an upstream change fails loudly there first. Each
+section names what it works around and the upstream issue.
 
 The rules (`tests/test_layers.py` checks the first two):
 - No private TensorFlow/Keras use outside this package: nothing else in tf_hetbatch imports

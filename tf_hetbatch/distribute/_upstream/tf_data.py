@@ -10,6 +10,8 @@ import logging
 
 import tensorflow as tf
 
+from tf_hetbatch.distribute._upstream import autograph
+
 logger = logging.getLogger(__name__)
 
 
@@ -43,37 +45,8 @@ def static_batch_size(dataset):
 # the pipeline's device alone with no such pass (tensorflow/core/data/captured_function.cc), as
 # TensorFlow's own prefetch-to-device functions do: for the split's functions (host-CPU ops on
 # host variables) nothing is lost. Users' functions keep tf.data's default.
-# AutoGraph rewrites a tf.data function, and every function it calls, unless its module is on
-# TensorFlow's list of libraries it leaves alone (tensorflow, keras, ...). The split's functions
-# are straight-line TensorFlow ops (no Python control flow on tensors): the rewrite only costs
-# CPU, about 0.4 s per process at its first fit (the transpiler parsing their source; 0.8 s with
-# several workers). `_unconverted` hands tf.data a function marked as an AutoGraph artifact,
-# which AutoGraph calls as it is. While it runs, AutoGraph's status is the one the rewrite would
-# have set: "enabled", unless it was "disabled" where the dataset is built (tf.data traces with
-# the status switched off and converts by the one it captured: `structured_function.py`,
-# `autograph/impl/api.py:tf_convert`). So a user's function that the split traces inside (a
-# moved per-sample map traced again, `replay_map`) is converted as before;
-# `tf.autograph.experimental.do_not_convert` would leave the status switched off for it.
+# AutoGraph calls the split's functions as they are (`autograph.as_is`).
 _HOST_FUNCTION = {"experimental_ints_on_device": True}
-
-
-def _unconverted(fn):
-    """`fn` for tf.data, called as it is, in AutoGraph's status as the rewrite would set it
-    (see above); `fn` itself (rewritten, as before) where TensorFlow's pieces are gone."""
-    try:
-        from tensorflow.python.autograph.core import ag_ctx
-        from tensorflow.python.autograph.impl.api import autograph_artifact
-    except ImportError:  # pragma: no cover - upstream change
-        return fn
-    outer = ag_ctx.control_status_ctx()  # where the dataset is built, as tf.data reads it
-    disabled = outer.status == ag_ctx.Status.DISABLED
-    status = ag_ctx.Status.DISABLED if disabled else ag_ctx.Status.ENABLED
-
-    def host_function(*args):  # a new function: the artifact mark is on it alone
-        with ag_ctx.ControlStatusCtx(status=status, options=outer.options):
-            return fn(*args)
-
-    return autograph_artifact(host_function)
 
 
 def _function_dataset(input_dataset, wrapper, make_variant, element_spec=None):
@@ -110,7 +83,7 @@ def _host_dataset(input_dataset, fn, transformation, make_variant, fallback, ele
         logger.debug("host tf.data functions unavailable (%s): using %s", error, transformation)
         return fallback()
     wrapper = structured_function.StructuredFunctionWrapper(
-        _unconverted(fn), transformation, dataset=input_dataset,
+        autograph.as_is(fn), transformation, dataset=input_dataset,
         defun_kwargs=dict(_HOST_FUNCTION))
     return _function_dataset(input_dataset, wrapper,
                              lambda *args: make_variant(gen_dataset_ops, *args), element_spec)
