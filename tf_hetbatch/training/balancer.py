@@ -101,7 +101,7 @@ class Balancer(tf.train.experimental.PythonState):
     `steps_per_execution`) ends a window at the first call `interval` or more steps after the
     last. Where a step's fixed cost is large against its compute (small per-replica batches,
     throttled or slow hosts), blocks of 4 to 16 steps save host work per step and pay (see
-    BUILD_NOTES, "The fixed cost of a step").
+    BUILD_NOTES, "Current results", fixed cost).
 
     Args:
         strategy: the tf_hetbatch strategy, or None to give it to `begin` (as
