@@ -358,11 +358,12 @@ def test_layout_dynamic_batching_moves_samples_from_a_slow_replica(tmp_path):
 
 
 @pytest.mark.parametrize("args, message, workers", [
-    (["--layout", "1,2", "--worker-devices", "0=;1=/cpu:0,/cpu:5"],
+    # Worker 1 reads late: worker 0 refuses the layout first and must wait for it to read.
+    (["--layout", "1,2", "--worker-devices", "0=;1=/cpu:0,/cpu:5", "--late-reader", "1"],
      "`devices` must name existing devices of each worker, each once. Received: worker 0: it "
      "names no device; worker 1: '/cpu:5' does not exist here (this worker has CPU:0, CPU:1)",
      2),
-    (["--layout", "1,2", "--worker-switch-margin", "1=16"],
+    (["--layout", "1,2", "--worker-switch-margin", "1=16", "--late-reader", "1"],
      "Every worker must create the strategy with the same `switch_margin`, and see the same "
      "cluster. Received: worker 0: 8; worker 1: 16.", 2),
     (["--layout", "1,1", "--stock-worker", "1"],

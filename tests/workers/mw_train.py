@@ -52,6 +52,18 @@ class IdRecorder(keras.layers.Layer):
         return inputs * tf.constant([0.0] + [1.0] * 7)
 
 
+def read_late():
+    """Every read of the coordination service's store waits 1.5 s first."""
+    from tf_hetbatch.distribute._upstream import coordination
+
+    get = coordination.get_coordination_key
+
+    def late_get(key, timeout_s):
+        time.sleep(1.5)
+        return get(key, timeout_s)
+    coordination.get_coordination_key = late_get
+
+
 def layout_devices(layout, worker_devices=""):
     """This worker's replica devices from `--layout` (replicas per worker, in worker order) and
     `--worker-devices` ("1=/cpu:1,/cpu:1;..." overrides a worker's list); its logical CPUs
@@ -267,6 +279,9 @@ def main():
     parser.add_argument("--stock-worker", type=int, default=-1,
                         help="this worker creates a stock MultiWorkerMirroredStrategy (it never "
                         "publishes its devices); the others wait 2 s for it")
+    parser.add_argument("--late-reader", type=int, default=-1,
+                        help="this worker reads the others' devices 1.5 s after publishing its "
+                        "own (a busy host): the others must not exit before it has read them")
     parser.add_argument("--out-of-memory-above", default="",
                         help="R,S : replica R runs out of memory on more than S samples")
     args = parser.parse_args()
@@ -275,14 +290,16 @@ def main():
         tf.get_logger().setLevel("INFO")
 
     devices = layout_devices(args.layout, args.worker_devices)
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     options = None
     if args.stock_worker >= 0:
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=2)
-        if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == args.stock_worker:
+        if index == args.stock_worker:
             tf.distribute.MultiWorkerMirroredStrategy()
             time.sleep(60)
+    if index == args.late_reader:
+        read_late()
     margins = dict(item.split("=") for item in args.worker_switch_margin.split(";") if item)
-    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     strategy = hb.HeteroMultiWorkerMirroredStrategy(
         devices, communication_options=options, all_reduce=args.all_reduce,
         switch_margin=int(margins.get(str(index), DEFAULT_SWITCH_MARGIN)))

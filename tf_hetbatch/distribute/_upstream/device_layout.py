@@ -12,7 +12,8 @@ Python side needs changing, at the seams TensorFlow marks:
 - `LayoutExtended._initialize_local_devices` (called inside `_initialize_multi_worker` after
   the collective runtime and the coordination service are up, before any group is built):
   every worker publishes the devices it was given in the coordination service's key-value
-  store and reads everyone's (`tf_hetbatch.distribute.layout` checks them);
+  store, reads everyone's and waits at a barrier until every worker has read them
+  (`tf_hetbatch.distribute.layout` checks them);
 - `_initialize_multi_worker` / `_initialize_local`: the three collective groups rebuilt for
   the layout, one `CollectiveKeys` each (base + 1: all replicas, + 2: one CPU per worker,
   + 3: the initial-value broadcast);
@@ -215,6 +216,10 @@ def _exchange(prefix, worker, num_workers, entry, timeout_s):
                 "as the others. Fix: run the same script with the same tf_hetbatch version on "
                 "every worker (communication_options.timeout_seconds sets this wait).")
         entries.append(json.loads(text))
+    # The leader's process hosts the store: a worker that refuses the layout must not exit
+    # (and take the store with it) before every worker has read every entry, so that every
+    # worker refuses it with the same message.
+    coordination.wait_at_coordination_barrier(f"{prefix}/read", timeout_s)
     return entries
 
 
