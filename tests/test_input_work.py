@@ -338,3 +338,13 @@ def test_an_unseeded_shuffle_over_maps_is_reseeded_and_the_maps_move():
     first = np.concatenate(list(plan.raw.as_numpy_iterator()))
     np.testing.assert_array_equal(first, np.concatenate(list(again.raw.as_numpy_iterator())))
     np.testing.assert_array_equal(np.sort(first), np.arange(N))  # raw: the map moved
+
+
+def test_one_host_does_not_warn_of_an_unsplit_pipeline(cpus, caplog):
+    # With one worker every replica's input is this process's: running a pipeline unsplit
+    # costs nothing, so nothing is said.
+    strategy = hb.HeteroMirroredStrategy(cpus[:2])
+    with caplog.at_level("WARNING", logger="tf_hetbatch"):
+        for _ in strategy.experimental_distribute_dataset(map_after_batch()):
+            pass
+    assert not [r for r in caplog.records if "runs unsplit" in r.getMessage()]

@@ -39,11 +39,11 @@ def outputs_of(out, num_workers):
     return outputs
 
 
-def reference_model(n=320, batch=32, epochs=2, weighted=False):
+def reference_model(n=320, batch=32, epochs=2, weighted=False, model="dense"):
     import tensorflow as tf
 
     x, y = mw_train.data(n)
-    model = mw_train.build(weighted=weighted)
+    model = mw_train.build(weighted=weighted, model=model)
     columns = (x, y, mw_train.sample_weights(n)) if weighted else (x, y)
     model.fit(tf.data.Dataset.from_tensor_slices(columns).batch(batch), epochs=epochs, verbose=0)
     return model
@@ -122,6 +122,19 @@ def test_two_workers_exact_with_a_sample_weighted_loss(switched_weighted):
     assert_every_worker_equals(ref, outputs)
     unweighted = reference_weights()  # negative control: the weights matter here
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(ref, unweighted)) > 1e-3
+
+
+def test_a_masked_loss_on_workers_hosting_different_numbers_of_replicas(tmp_path):
+    # Each replica's loss divides by its unmasked samples; their global count is summed in
+    # the step: exact against one device, and the logs are its global means.
+    outputs = run_cluster(tmp_path, 2, "--model", "masked", "--layout", "1,2",
+                          "--sizes", "5,9,18")
+    ref = reference_model(model="masked")
+    assert_every_worker_equals(ref.get_weights(), outputs)
+    reference_history = ref.history.history
+    for _, info in outputs:
+        for key in ("loss", "mae"):
+            assert info["history"][key] == pytest.approx(reference_history[key], rel=1e-5)
 
 
 def test_a_later_fit_with_another_global_batch_on_two_workers(tmp_path):

@@ -219,6 +219,25 @@ def test_a_later_fit_with_another_global_batch(cpus, caplog):
                                   [8 * 8, 24 * 8])
 
 
+@pytest.mark.parametrize("first", ["arrays", "dataset"])
+def test_a_later_fit_at_another_batch_after_arrays_with_a_partial_batch(cpus, first):
+    # 100 rows: Keras's array input then ends each epoch with a short batch, and tf.data
+    # cannot infer its batch size; the strategy takes it from Keras's data adapter.
+    x, y = regression_data(n=100)
+    strategy = hb.HeteroMirroredStrategy(cpus[:2])
+    model = build_under(strategy, dense_model)
+    strategy.set_batch_sizes([10, 22])
+    if first == "arrays":
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    else:
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=1, verbose=0)
+    ref = _one_device_copy(model)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert strategy.batch_sizes == (5, 11)
+    ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert max_weight_diff(ref, model) <= 1e-5
+
+
 def test_data_batched_by_a_users_dataset_function_is_said_not_to_follow_the_split(cpus,
                                                                                    caplog):
     strategy = hb.HeteroMirroredStrategy(cpus[:2])

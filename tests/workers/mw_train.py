@@ -103,13 +103,29 @@ class ReplicaWork(keras.layers.Layer):
         return x + 0.0 * tf.stop_gradient(tf.reduce_sum(h))
 
 
+class MaskedBy(keras.layers.Layer):
+    """Passes its input on with a Keras mask (feature 1 > 0): a mask that reaches the loss, so
+    each replica's loss divides by its unmasked samples."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+
+    def call(self, x):
+        return x
+
+    def compute_mask(self, x, mask=None):
+        return x[:, 1] > 0.0
+
+
 def sample_weights(n):
     return np.random.default_rng(1).uniform(0.2, 3.0, size=(n,)).astype("float32")
 
 
 def build(sink=None, weighted=False, steps_per_execution=1, model="dense", slow_replica=-1,
           out_of_memory_above=None):
-    """The model: "dense" (SGD, L2) or "bn-adam" (SyncBatchNormalization, Adam); with
+    """The model: "dense" (SGD, L2), "masked" (the same, its loss masked to the samples whose
+    feature 1 is positive) or "bn-adam" (SyncBatchNormalization, Adam); with
     `slow_replica` >= 0 that replica computes more (`ReplicaWork`); with
     `out_of_memory_above` (replica, samples) that replica runs out of memory on more samples."""
     keras.utils.set_random_seed(1)
@@ -120,6 +136,8 @@ def build(sink=None, weighted=False, steps_per_execution=1, model="dense", slow_
         layers.append(OutOfMemoryAbove(*out_of_memory_above))
     layers.append(IdRecorder(sink) if sink is not None else keras.layers.Lambda(
         lambda t: t * tf.constant([0.0] + [1.0] * 7)))
+    if model == "masked":
+        layers.append(MaskedBy())
     if model == "bn-adam":
         # No bias before BatchNormalization: its true gradient is 0, so Adam would amplify
         # rounding noise.
@@ -271,7 +289,7 @@ def main():
                         help="W=m : worker W creates its strategy with switch_margin=m (workers "
                         "that disagree)")
     parser.add_argument("--all-reduce", default=None, choices=["device", "host"])
-    parser.add_argument("--model", default="dense", choices=["dense", "bn-adam"])
+    parser.add_argument("--model", default="dense", choices=["dense", "masked", "bn-adam"])
     parser.add_argument("--slow-replica", type=int, default=-1,
                         help="this replica computes more (ReplicaWork)")
     parser.add_argument("--dynamic", default="", choices=["", "model", "proportional"],

@@ -66,10 +66,13 @@ class StepRunner:
         def replica_fn(*replica_args, **replica_kwargs):
             replica_args, start_time, samples = _start_stamp(replica_args, check_nonempty)
             data_here = _step_data(replica_args)
-            shares_of = _shares_of(totals, data_here) if distributed else None
+            shares_of, total_samples = _shares_of(totals, data_here) if distributed \
+                else (None, None)
             step = weighting.ReplicaStep(
                 num_replicas=strategy.num_replicas_in_sync,
                 shares=shares_of(data_here) if distributed else None,
+                model_step=model is not None, total_samples=total_samples,
+                sum_across=updates.sum_across_replicas,
                 has_sample_weight=has_sample_weight(data_here),
                 start_time=start_time, samples=samples, timing=strategy._timing,
                 carry_logs=carry_logs, optimizers_reached=bool(optimizers),
@@ -142,11 +145,11 @@ def _step_data(args):
     return args[0] if len(args) == 1 else tuple(args)
 
 
-def _shares_of(totals, data) -> Callable[[Any], Dict[str, tf.Tensor]]:
-    """Replica context: a function from data of this replica's step (its whole batch, or a
-    micro-batch of it) to that data's share of the step's samples and of its sample weight.
-    `totals` is a pair of tensors or a function of the replica's `amounts(data)` (called once
-    here: it may all-reduce)."""
+def _shares_of(totals, data) -> Tuple[Callable[[Any], Dict[str, tf.Tensor]], tf.Tensor]:
+    """Replica context: (a function from data of this replica's step (its whole batch, or a
+    micro-batch of it) to that data's share of the step's samples and of its sample weight,
+    the step's global samples). `totals` is a pair of tensors or a function of the replica's
+    `amounts(data)` (called once here: it may all-reduce)."""
     total_samples, total_weight = totals(*amounts(data)) if callable(totals) else totals
 
     def shares(part):
@@ -155,7 +158,7 @@ def _shares_of(totals, data) -> Callable[[Any], Dict[str, tf.Tensor]]:
             weighting.BATCH: tf.math.divide_no_nan(samples, total_samples),
             weighting.SAMPLE_WEIGHT: tf.math.divide_no_nan(weight, total_weight),
         }
-    return shares
+    return shares, total_samples
 
 
 def amounts(data) -> Tuple[tf.Tensor, tf.Tensor]:

@@ -272,7 +272,8 @@ class HeteroMixin(micro_batches.LimitsMixin):
         iterators.adapt_iterators(distributed, iterator_release.hold)
         if plans and not evaluation:
             self._weights_in_pipeline = plans[0].weights_in_raw
-        if plans and plans[0].reason and self.is_chief and dataset not in self._said_unsplit:
+        if (plans and plans[0].reason and several_workers and self.is_chief
+                and dataset not in self._said_unsplit):  # one host: nothing to gain
             self._said_unsplit.add(dataset)
             logger.warning(
                 "The input pipeline runs unsplit: every worker does all of its per-sample work "
@@ -335,6 +336,8 @@ class HeteroMixin(micro_batches.LimitsMixin):
                 "dataset.batch(global_batch_size)."
             )
         batch = tf_data.static_batch_size(dataset)
+        if batch is None:  # Keras's array input batches index ranges: tf.data cannot tell
+            batch = keras_callers.keras_batch_size_distributing_data()
         leading = [
             s.shape[0] for s in specs if getattr(getattr(s, "shape", None), "rank", None)
         ]

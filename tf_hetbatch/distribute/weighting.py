@@ -1,32 +1,37 @@
-"""Exact weighting of uneven replica batches: at the loss, wherever Keras scales it.
+"""Exact weighting of uneven replica batches: at each loss term, wherever Keras scales it.
 
 Under a `tf.distribute` strategy Keras divides every loss it reduces by the replica count K
-(`Loss.__call__` and `Model.compute_loss`, for the "sum_over_batch_size", "mean" and
-"mean_with_sample_weight" reductions) and the replicas' gradients are summed: the mean of the
-replicas' mean gradients, exact only when every replica has B/K samples. With uneven batches
-b_1..b_K, replica k's share of the global loss is lambda_k * loss_k, lambda_k = b_k / B (by
-sample-weight sums W_k / W for "mean_with_sample_weight"), so its Keras-scaled loss loss_k / K
-must be multiplied by K * lambda_k. Applied to the loss, before any gradient is taken, every
+(`Loss.__call__`, `Model.compute_loss`) and the replicas' gradients are summed: the mean of the
+replicas' means, exact only when every replica's term has the same denominator. A term divides
+the sum of its weighted values by its replica's denominator D_k: its valid entries under a
+Keras mask ("sum_over_batch_size"/"mean"), its masked sample weights' sum
+("mean_with_sample_weight"), else its elements. One device divides by the global D = sum D_k,
+so replica k's Keras-scaled term must be multiplied by K * D_k / D, its share. Without a mask
+the shares are the replica's share of the step's samples (or of its sample weights), known from
+the input pipeline before the step; a mask is known only once the model ran, so a masked
+term's denominators are summed across replicas in the step (one small all-reduce per masked
+term, before the backward pass). Applied to the loss, before any gradient is taken, every
 linear thing downstream (SyncBatchNormalization's backward all-reduce, mixed-precision loss
-scaling, the gradient sum) sees correctly weighted values; a weight on finished gradients is
-not exact once SyncBatchNormalization has mixed the replicas. The shares come from the ACTUAL
+scaling, the gradient sum) sees correctly weighted values. The shares come from the ACTUAL
 per-replica batches of each step, never from the allocation (which lags behind a switch).
 
-Where the loss is scaled is where it is weighted (the "seams"), under a tf_hetbatch strategy
+Where a loss is scaled is where it is weighted (the "seams"), under a tf_hetbatch strategy
 only, on the instances a step uses:
-- the model's `compute_loss` (compiled losses, regularisers; also a subclass's override), whose
-  mode comes from the compiled losses' reductions;
-- every `keras.losses.Loss` object the model holds as an attribute (e.g. `self.loss_fn`), by
-  its own reduction ("sum" needs no weight, "none" is left to the caller).
-A seam called inside another (a compiled Loss inside `compute_loss`) is not weighted again.
+- every `keras.losses.Loss` a step reaches (a model's attributes, a loop's closure) and each
+  term of a model's compiled loss: by its own reduction and mask ("sum" needs no weight,
+  "none" is left to the caller);
+- the model's additional losses (regularizers, `add_loss`), by the replica's share of the
+  samples (a replica with none adds nothing);
+- the model's `compute_loss`: what an override adds beyond those seams, by samples; one whose
+  seams did not run (raw ops only) as a whole.
 
-What the step sees as the loss VALUE depends on who reads it. Keras's own train and test steps
-undo K themselves (`unscale_loss_for_distribution`) and weight the loss tracker by the batch
-size: they get Keras's value, and only the gradient is weighted. Any other step reads the value
-as it is (a `Mean` tracker updated with it, a returned log averaged over replicas): it gets
-K * lambda_k * loss_k, whose plain mean over the replicas is the global loss, as one device
-reports it (the stock strategy reports loss / K there). Value and gradient weights differ, so
-the seam returns `g * loss + stop_gradient((v - g) * loss)`.
+A seam's value is in the SUM form: the replicas' values sum to the global loss, the stock
+strategy's convention (a custom loop's `strategy.reduce(SUM, loss)` is the global loss).
+Keras's own steps count every replica's loss alike (B / K each, `_adapt_total_loss_tracker`),
+so their logs and each output's loss are global means. A Keras model's custom step (a guide's
+`train_step` updating a `Mean` with the loss) gets the MEAN form from the outermost seam: the
+value times K, whose plain mean over the replicas is the global loss; its gradient stays the
+sum form's (`value + stop_gradient((K - 1) * value)`).
 
 `tf.nn.compute_average_loss` without `global_batch_size` (TensorFlow's custom-loop tutorial)
 divides each replica's loss by its own batch size times K, which Keras's and TensorFlow's
@@ -37,12 +42,10 @@ a `tf.nn.scale_regularization_loss` added to it (its K copies weighted by lambda
 one). Its VALUE stays each replica's mean divided by K (summed over the replicas: the mean of
 their means, not the global mean): said once in a warning. Not exact after
 SyncBatchNormalization has mixed the replicas (refused), nor with an optimizer the step does
-not reach (refused). A Keras loss the model does not hold (so no seam weights it) is refused
+not reach (refused). A Keras loss the step does not reach (so no seam weights it) is refused
 when traced, naming the fix. A loss not divided by the replica count
 (`tf.nn.compute_average_loss(..., global_batch_size=B)`, a "sum") is summed across replicas
-as it is: exact when it is scaled by the global batch, as TensorFlow's guide teaches. Masked
-losses divide by their valid entries, which the strategy cannot see: they are weighted by
-samples, not exactly.
+as it is: exact when it is scaled by the global batch, as TensorFlow's guide teaches.
 """
 
 import contextlib
@@ -95,6 +98,18 @@ class ReplicaStep:
     seam_depth: int = 0
     # Keras-scale reads still expected from Loss objects whose values a seam weighted.
     pending_scale_reads: int = 0
+    # A Keras model's step (its own or a custom one), not a custom loop's function.
+    model_step: bool = False
+    # The step's global samples (Keras's own loss tracker weighs every replica by B / K).
+    total_samples: Optional[tf.Tensor] = None
+    # Replica context: a list of tensors summed across replicas (a masked loss's denominator).
+    sum_across: Optional[Callable[[list], list]] = None
+    term_depth: int = 0  # inside a loss term's `call`
+    container_depth: int = 0  # inside a model's compiled loss
+    # The weighted outputs of the seams a running `compute_loss` called (its compiled loss, its
+    # additional losses), and the loss terms it called outside them.
+    parts: Optional[list] = None
+    unrecorded_terms: int = 0
     seams_weighted: int = 0
     # `tf.nn.compute_average_loss` without the global batch: its gradients need the weight.
     average_loss_reads: int = 0
@@ -160,13 +175,17 @@ def user_code(step: ReplicaStep):
 
 
 def weighting_mode(model) -> str:
-    """How `model.compute_loss` must be weighted for the compiled loss(es): BATCH, SAMPLE_WEIGHT
-    or SUM.
+    """How `model.compute_loss` must be weighted as a whole for the compiled loss(es): BATCH,
+    SAMPLE_WEIGHT or SUM (a `compute_loss` of raw ops, whose terms no seam sees).
 
     Raises:
         ValueError: if the model's losses mix reductions that need different weights.
     """
-    losses = [l for l in tf.nest.flatten(getattr(model, "loss", None)) if l is not None]
+    return _mode_of_losses(tf.nest.flatten(getattr(model, "loss", None)))
+
+
+def _mode_of_losses(losses) -> str:
+    losses = [l for l in losses if l is not None]
     modes = {}
     for loss in losses:
         reduction = getattr(loss, "reduction", "sum_over_batch_size") if isinstance(
@@ -189,28 +208,50 @@ def weighting_mode(model) -> str:
 
 
 # --------------------------------------------------------------------- the weight ------------
-def weigh_loss(step: ReplicaStep, loss, mode: str, keras_value: bool):
-    """The seam's output `loss` (as Keras computed it) weighted for this replica.
+def term_weight(step: ReplicaStep, mode: str, denominator=None):
+    """K times this replica's share of a loss term's global denominator (1 for a "sum").
 
-    Args:
-        step: the replica's step.
-        loss: a tensor (a scalar from a reduction, per-sample values before one).
-        mode: how Keras reduced it (BATCH, SAMPLE_WEIGHT, SUM; UNREDUCED is left alone).
-        keras_value: True where Keras's own step reads the value (it undoes K itself): only
-            the gradient is weighted; else the value is made the one whose mean over the
-            replicas is the global loss.
+    Without `denominator` the share is the replica's share of the step's samples (or sample
+    weights), known before the step. With it (a mask reached the loss: the term divides by its
+    valid entries) the replicas' denominators are summed across replicas here.
     """
-    if mode == UNREDUCED or not isinstance(loss, tf.Tensor) or not loss.dtype.is_floating:
-        return loss
-    num = float(step.num_replicas)
-    if mode in _SCALED_BY_KERAS:
-        gradient_weight = num * tf.cast(step.share(mode), loss.dtype)
+    if mode == SUM:
+        return tf.constant(1.0)
+    if denominator is None or step.shares is None:
+        share = step.share(mode)
     else:
-        gradient_weight = tf.constant(1.0, loss.dtype)
-    value_weight = tf.constant(1.0, loss.dtype) if keras_value else num * gradient_weight
-    step.seams_weighted += 1
-    weighted = gradient_weight * loss + tf.stop_gradient((value_weight - gradient_weight) * loss)
-    return keras_losses.keep_keras_mask(weighted, loss)
+        share = _share_in_step(step, tf.cast(denominator, tf.float32))
+    return float(step.num_replicas) * tf.cast(share, tf.float32)
+
+
+def _share_in_step(step, denominator):
+    if step.micro_batched or step.capture is not None:
+        raise ValueError(
+            "A loss with a Keras mask (e.g. from Embedding(mask_zero=True) or Masking) divides "
+            "by its valid entries over the whole step, but this replica computes its share in "
+            "micro-batches (`set_micro_batch_limits`), which cannot know the step's total. Fix: "
+            "lift the bounds (strategy.set_micro_batch_limits(None)), or pass the padding as "
+            "sample_weight with the default reduction instead of a mask.")
+    total = step.sum_across([denominator])[0]
+    return tf.math.divide_no_nan(denominator, total)
+
+
+def _weighted(value, weight, to_mean_form: bool, num_replicas: int):
+    """`value` (a loss, or per-sample values before their reduction) with its gradient weighted
+    by `weight`; its value too (the sum form), times the replica count in the mean form."""
+    if not isinstance(value, tf.Tensor) or not value.dtype.is_floating:
+        return value
+    weight = tf.cast(weight, value.dtype)
+    weighted = weight * value
+    if to_mean_form:
+        weighted += tf.stop_gradient((num_replicas - 1.0) * weighted)
+    return keras_losses.keep_keras_mask(weighted, value)
+
+
+def _to_mean_form(step):
+    """Whether the outermost seam hands its value over in the mean form: in a Keras model's
+    custom step (its trackers average replicas), not in Keras's own steps or custom loops."""
+    return step.model_step and not keras_callers.called_from_keras_own_step(max_depth=8)
 
 
 @contextlib.contextmanager
@@ -224,21 +265,46 @@ def _seam(step):
 
 # --------------------------------------------------------------------- the seams -------------
 def adapt_compute_loss(model) -> None:
-    """Weights `model.compute_loss` in our replica steps (an instance attribute; idempotent)."""
+    """Weights `model.compute_loss` in our replica steps (instance attributes; idempotent).
+
+    The loss terms inside it are weighted where they are computed: each compiled loss term
+    (`adapt_loss`) and each additional loss (regularizers, `add_loss`: by samples). What a
+    `compute_loss` override adds beyond them is weighted by samples; one whose seams did not
+    run (raw ops only) is weighted as a whole, by the compiled losses' reduction.
+    """
     if getattr(model, "_tf_hetbatch_compute_loss", None) is not None:
         return
     original = model.compute_loss
+    own = keras_losses.is_keras_compute_loss(model)
+    _adapt_additional_losses(model)
+    tracker = keras_losses.total_loss_tracker(model)
+    if tracker is not None:
+        _adapt_total_loss_tracker(tracker)
 
     def compute_loss(*args, **kwargs):
         step = current_step()
         if step is None:
             return original(*args, **kwargs)
-        keras_value = keras_callers.called_from_keras_own_step()
-        with _seam(step) as outermost:
-            loss = original(*args, **kwargs)
-            if outermost:
-                loss = weigh_loss(step, loss, weighting_mode(model), keras_value)
-        return loss
+        parts, step.parts = step.parts, []
+        terms = step.unrecorded_terms
+        try:
+            with _seam(step) as outermost:
+                loss = original(*args, **kwargs)
+            recorded, step.parts = step.parts, parts
+        except BaseException:
+            step.parts = parts
+            raise
+        if not outermost or not isinstance(loss, tf.Tensor) or not loss.dtype.is_floating:
+            return loss
+        if not recorded and step.unrecorded_terms == terms:  # raw ops: the whole loss
+            mode = weighting_mode(model)
+            step.seams_weighted += 1
+            return _weighted(loss, term_weight(step, mode), _to_mean_form(step),
+                             step.num_replicas)
+        if recorded and not own and step.unrecorded_terms == terms:
+            rest = loss - tf.add_n([tf.cast(p, loss.dtype) for p in recorded])
+            loss += (term_weight(step, BATCH) - 1.0) * rest  # what an override added
+        return _weighted(loss, 1.0, _to_mean_form(step), step.num_replicas)
 
     compute_loss.__doc__ = original.__doc__
     compute_loss.__wrapped__ = original
@@ -246,36 +312,133 @@ def adapt_compute_loss(model) -> None:
     model._tf_hetbatch_compute_loss = original
 
 
+def _adapt_additional_losses(model) -> None:
+    """Weights each additional loss (`model.losses`: regularizers, `add_loss`) by the replica's
+    share of the step's samples: a mean over the replica's samples becomes its share of the
+    global mean, a constant its share of itself. A replica with no samples adds nothing."""
+    original = getattr(model, keras_losses.ADDITIONAL_LOSS_METHOD, None)
+    if original is None:
+        return
+
+    def aggregate(loss):
+        value = original(loss)
+        step = current_step()
+        if step is None or step.seam_depth == 0 or not isinstance(value, tf.Tensor):
+            return value
+        share = tf.cast(step.share(BATCH), value.dtype)
+        value = tf.where(share > 0, _weighted(value, term_weight(step, BATCH), False,
+                                              step.num_replicas), tf.zeros_like(value))
+        step.seams_weighted += 1
+        if step.parts is not None:
+            step.parts.append(value)
+        return value
+
+    setattr(model, keras_losses.ADDITIONAL_LOSS_METHOD, aggregate)
+
+
+def _adapt_total_loss_tracker(tracker) -> None:
+    """Keras's own steps update the loss tracker with the replica's loss weighted by its batch
+    size; the seams hand them the sum form (the replicas' values sum to the global loss), so
+    every replica counts B / K (the global batch over the replica count) instead."""
+    original = tracker.update_state
+
+    def update_state(values, sample_weight=None):
+        step = current_step()
+        if (step is None or step.total_samples is None
+                or not keras_callers.called_from_keras_own_step(max_depth=2)):
+            return original(values, sample_weight=sample_weight)
+        weight = tf.cast(step.total_samples, tracker.dtype) / float(step.num_replicas)
+        values = tf.cast(values, tracker.dtype)
+        if step.micro_batched:  # the replica's micro-batches add up to its one update
+            count = tf.cast(step.micro_batch_count, tracker.dtype)
+            values, weight = values * count, weight / count
+        return original(values, sample_weight=weight)
+
+    update_state.__doc__ = original.__doc__
+    tracker.update_state = update_state
+
+
 def adapt_loss(loss_object) -> None:
-    """Weights a `keras.losses.Loss` the model holds, by its reduction (idempotent).
+    """Weights a `keras.losses.Loss` a step reaches, by its share of the term's denominator
+    (idempotent).
 
     `Loss.__call__` calls `self.call` for the per-sample values and then reduces them; the
     weight is a per-replica scalar, so weighting the per-sample values is weighting the reduced
     loss (any reduction is linear in them). Keras then divides by K, reading the replica count:
-    that read belongs to this seam (`pending_scale_reads`).
+    that read belongs to this seam (`pending_scale_reads`). A model's compiled loss is a
+    container: its terms are weighted one by one, each by its own reduction and mask.
     """
     if getattr(loss_object, "_tf_hetbatch_call", None) is not None:
         return
+    if keras_losses.is_compile_loss(loss_object):
+        _adapt_compiled_loss(loss_object)
+        return
     original = loss_object.call
-    mode = _MODE_OF_REDUCTION.get(getattr(loss_object, "reduction", None), UNREDUCED)
+    reduction = getattr(loss_object, "reduction", None)
+    mode = _MODE_OF_REDUCTION.get(reduction, UNREDUCED)
 
     def call(*args, **kwargs):
         step = current_step()
-        if step is None or mode == UNREDUCED:
+        if step is None or mode == UNREDUCED or step.term_depth:
             return original(*args, **kwargs)
-        keras_value = keras_callers.called_from_keras_own_step()
-        with _seam(step) as outermost:
+        in_mask, sample_weight = keras_losses.loss_call_inputs()
+        step.term_depth += 1
+        try:
             values = original(*args, **kwargs)
-            if outermost:
-                values = tf.nest.map_structure(
-                    lambda v: weigh_loss(step, v, mode, keras_value), values)
-                if mode in _SCALED_BY_KERAS:
-                    step.pending_scale_reads += 1
-        return values
+        finally:
+            step.term_depth -= 1
+        denominator = None
+        if mode in _SCALED_BY_KERAS:
+            step.pending_scale_reads += 1
+            mask = keras_losses.loss_mask(in_mask, tf.nest.flatten(values)[0])
+            if mask is not None:
+                denominator = keras_losses.loss_denominator(
+                    tf.nest.flatten(values)[0], sample_weight, mask, reduction)
+        weight = term_weight(step, mode, denominator)
+        outermost = step.seam_depth == 0
+        if not outermost and step.container_depth == 0:
+            step.unrecorded_terms += 1
+        step.seams_weighted += 1
+        to_mean = outermost and _to_mean_form(step)
+        return tf.nest.map_structure(
+            lambda v: _weighted(v, weight, to_mean, step.num_replicas), values)
 
     call.__doc__ = original.__doc__
     loss_object.call = call
     loss_object._tf_hetbatch_call = original
+
+
+def _adapt_compiled_loss(compile_loss) -> None:
+    """The model's compiled loss: its terms weight themselves (`adapt_loss`), adapted once it
+    is built; its total is recorded for `compute_loss`."""
+    original = compile_loss.call
+
+    def call(*args, **kwargs):
+        step = current_step()
+        if step is None:
+            return original(*args, **kwargs)
+        terms = keras_losses.compiled_loss_terms(compile_loss)
+        for term in terms:
+            adapt_loss(term)
+        step.container_depth += 1
+        try:
+            with _seam(step) as outermost:
+                total = original(*args, **kwargs)
+        finally:
+            step.container_depth -= 1
+        if not terms and isinstance(total, tf.Tensor):  # built by this call: weighted whole
+            mode = _mode_of_losses(keras_losses.compiled_loss_terms(compile_loss))
+            total = _weighted(total, term_weight(step, mode), False, step.num_replicas)
+            step.seams_weighted += 1
+        if step.parts is not None and isinstance(total, tf.Tensor):
+            step.parts.append(total)
+        if outermost and isinstance(total, tf.Tensor) and _to_mean_form(step):
+            total = _weighted(total, 1.0, True, step.num_replicas)
+        return total
+
+    call.__doc__ = original.__doc__
+    compile_loss.call = call
+    compile_loss._tf_hetbatch_call = original
 
 
 def adapt_metric(metric) -> None:

@@ -75,9 +75,29 @@ def keras_loop_distributing_data(max_depth=8):
     return None
 
 
+def keras_batch_size_distributing_data(max_depth=8):
+    """The batch size Keras batches the data it is distributing by (its data adapter's
+    `batch_size`: `fit(x, y, batch_size=B)`'s B, whose batches tf.data cannot infer), or None
+    (call it from within the strategy's `experimental_distribute_dataset`)."""
+    frame = _epoch_iterator_frame(max_depth + 1)
+    adapter = getattr(frame.f_locals.get("self"), "data_adapter", None) if frame else None
+    size = getattr(adapter, "batch_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
 def _keras_loop_frame(max_depth):
     """The frame of the Keras trainer method that constructs the `TFEpochIterator` on the
     current stack (within `max_depth` frames of the caller's caller), or None."""
+    frame = _epoch_iterator_frame(max_depth + 1)
+    caller = None if frame is None else frame.f_back
+    if caller is None or not _is_keras_tf_trainer_code(caller.f_code):
+        return None
+    return caller
+
+
+def _epoch_iterator_frame(max_depth):
+    """The frame of `TFEpochIterator.__init__` on the current stack (within `max_depth` frames
+    of the caller's caller), or None."""
     import sys
 
     frame = sys._getframe(1)
@@ -92,13 +112,8 @@ def _keras_loop_frame(max_depth):
             == "TFEpochIterator.__init__"
             and _is_keras_tf_trainer_code(code)
         ):
-            break
-    else:
-        return None
-    caller = frame.f_back
-    if caller is None or not _is_keras_tf_trainer_code(caller.f_code):
-        return None
-    return caller
+            return frame
+    return None
 
 
 def keras_model_distributing_data(max_depth=8):
