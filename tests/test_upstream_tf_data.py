@@ -21,6 +21,23 @@ def test_static_batch_size_inference():
     assert tf_data.static_batch_size(ds.map(lambda t: t + 1)) is None  # falls back to run time
 
 
+def test_static_batch_size_in_a_graph_is_unknown():
+    """`tf_data.static_batch_size` while a graph is built (a v1 graph, a tf.function): the
+    inference is an op that does not fold to a constant, so None (the split then takes each
+    batch's size at run time). If this starts to give 32, graphs learn the batch size too."""
+    with tf.Graph().as_default():
+        assert tf_data.static_batch_size(tf.data.Dataset.range(100).batch(32)) is None
+    seen = []
+
+    @tf.function
+    def infer():
+        seen.append(tf_data.static_batch_size(tf.data.Dataset.range(100).batch(32)))
+        return 0
+
+    infer()
+    assert seen == [None]
+
+
 def _dataset_graph(dataset):
     """The GraphDef TensorFlow serializes `dataset` to: its ops and its function library."""
     serialized = tf.raw_ops.DatasetToGraphV2(input_dataset=dataset._variant_tensor)

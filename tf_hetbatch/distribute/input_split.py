@@ -65,12 +65,35 @@ def bounds_of(sizes):
 
 def batch_dim(element):
     """The leading dimension (int64 scalar) shared by every component of a global batch."""
-    flat = [t for t in tf.nest.flatten(element) if t is not None]
+    flat = batched_components(element)
     if not flat:
         raise ValueError(
-            "Dataset elements must contain at least one tensor. Received an element spec with "
-            "no tensors."
+            "Dataset elements must contain at least one tensor with a batch dimension. "
+            "Received an element with none (only scalars or no tensors)."
         )
+    return tf.shape(flat[0], out_type=tf.int64)[0]
+
+
+def batched_components(element):
+    """The components of `element` that have a batch dimension: all but those of rank 0 (a
+    scalar, e.g. a learning rate passed to `strategy.run`, carries no samples) and non-tensor
+    leaves without a shape (Python numbers, strings). A component of unknown rank counts."""
+    return [t for t in tf.nest.flatten(element)
+            if t is not None and _rank(getattr(t, "shape", None)) != 0]
+
+
+def _rank(shape):
+    if shape is None:
+        return 0
+    return tf.TensorShape(shape).rank
+
+
+def samples_of(element):
+    """The number of samples (int64 scalar) of `element`: the batch dimension of its first
+    component that has one (`batched_components`), 0 when none has."""
+    flat = batched_components(element)
+    if not flat:
+        return tf.constant(0, tf.int64)
     return tf.shape(flat[0], out_type=tf.int64)[0]
 
 

@@ -47,7 +47,7 @@ class StepRunner:
         models, optimizers, losses, metrics = weighting.step_objects(fn)
         updates.adapt_step_objects(models, optimizers, losses, metrics)
         data = _step_data(args)
-        distributed = data is not None and _all_distributed(data)
+        distributed = data is not None and _is_split_batch(strategy, data)
         training_step = kind == "train_step"
         check_nonempty = training_step and _has_batch_norm(model, synchronized=False)
         if check_nonempty:
@@ -123,11 +123,26 @@ class StepRunner:
         return _logs(self._strategy, outputs, paths, reduce=True)
 
 
-# A custom step's per-replica float outputs that nothing weighted (no Keras loss reached, no
-# metric result): what each replica computed over its own samples. Averaged over the replicas
-# with equal weights (`strategy.reduce("MEAN", v, axis=None)`) they are not the global mean
-# under an uneven split, and the strategy says so (`HeteroMixin.reduce`).
-UNWEIGHTED = "_tf_hetbatch_unweighted"
+class UnweightedValues:
+    """A custom step's per-replica float outputs that nothing weighted (no Keras loss reached,
+    no metric result): what each replica computed over its own samples. Averaged over the
+    replicas with equal weights (`strategy.reduce("MEAN", v, axis=None)`) they are not the
+    global mean under an uneven split, and the strategy says so (`HeteroMixin.reduce`).
+
+    Held by identity, weakly, in the strategy's own registry: asking a value whether it is one
+    must not look up an attribute on it, since a distributed variable's fallback `__getattr__`
+    reads it across replicas, through `strategy.reduce` again (endless recursion for a MEAN
+    sync-on-read variable).
+    """
+
+    def __init__(self):
+        self._values = weakref.WeakValueDictionary()  # id(value) -> value
+
+    def add(self, value):
+        self._values[id(value)] = value
+
+    def __contains__(self, value):
+        return self._values.get(id(value)) is value
 
 
 def _mark_replica_values(strategy, outputs):
@@ -135,7 +150,7 @@ def _mark_replica_values(strategy, outputs):
         if _is_distributed(leaf) and all(
                 isinstance(t, tf.Tensor) and t.dtype.is_floating
                 for t in strategy.experimental_local_results(leaf)):
-            setattr(leaf, UNWEIGHTED, True)
+            strategy._unweighted_values.add(leaf)
 
 
 def _step_data(args):
@@ -163,12 +178,21 @@ def _shares_of(totals, data) -> Tuple[Callable[[Any], Dict[str, tf.Tensor]], tf.
 
 def amounts(data) -> Tuple[tf.Tensor, tf.Tensor]:
     """A replica's samples and summed sample weight (its samples where it has none)."""
-    x, _, sample_weight = _unpack(data)
-    samples = tf.cast(input_split.batch_dim(x), tf.float32)
+    _, _, sample_weight = _unpack(data)
+    samples = tf.cast(samples_of(data), tf.float32)
     if sample_weight is None:
         return samples, samples
     return samples, tf.add_n(
         [tf.reduce_sum(tf.cast(w, tf.float32)) for w in tf.nest.flatten(sample_weight)])
+
+
+def samples_of(data) -> tf.Tensor:
+    """A replica's number of samples (int64 scalar): the batch dimension of its inputs x, or
+    where x has none (a custom loop's `run(fn, args=(learning_rate, batch))`) of the first of
+    its arguments that has one. Arguments without a batch dimension (rank 0) carry no samples:
+    0 when no argument has one."""
+    x = _unpack(data)[0]
+    return input_split.samples_of(x if input_split.batched_components(x) else data)
 
 
 def _unpack(data):
@@ -185,9 +209,15 @@ def _is_distributed(value):
     return isinstance(value, tf.distribute.DistributedValues)
 
 
-def _all_distributed(data):
+def _is_split_batch(strategy, data):
+    """Whether a step's `data` is a batch split over the replicas, weighted by its samples:
+    per-replica values with a batch dimension, and no undistributed ones with one. Arguments
+    without a batch dimension (rank 0: a learning rate, a per-replica scalar) carry no samples
+    and decide nothing; with nothing else, the step runs as the stock one's."""
     flat = [t for t in tf.nest.flatten(data) if t is not None]
-    return bool(flat) and all(_is_distributed(t) for t in flat)
+    batched = [t for t in flat if input_split.batched_components(
+        strategy.experimental_local_results(t)[0] if _is_distributed(t) else t)]
+    return bool(batched) and all(_is_distributed(t) for t in batched)
 
 
 def _local_tensors(strategy, outputs):
@@ -304,7 +334,7 @@ def _start_stamp(replica_args, check_nonempty):
     ]
     if not tensors:
         return replica_args, tf.timestamp(), tf.constant(0, tf.int64)
-    samples = input_split.batch_dim(_unpack(_step_data(replica_args))[0])
+    samples = samples_of(_step_data(replica_args))
     if check_nonempty:
         check = tf.debugging.assert_positive(
             samples,

@@ -49,6 +49,7 @@ class HeteroMixin(micro_batches.LimitsMixin):
         self._weights_in_pipeline = True
         self._said_unsplit = weakref.WeakSet()  # datasets whose unsplit input was logged
         self._said_unweighted_mean = False
+        self._unweighted_values = step_run.UnweightedValues()  # see `reduce`
         self._split_input_work = True
         self._user_batched_data = False  # data batched per replica by a user's function
         self._timing = timing.TimingAccumulators(
@@ -410,7 +411,7 @@ class HeteroMixin(micro_batches.LimitsMixin):
         if axis is not None or not is_mean(reduce_op):
             return super().reduce(reduce_op, value, axis)
         leaves = tf.nest.flatten(value)
-        if any(getattr(v, step_run.UNWEIGHTED, False) for v in leaves):
+        if any(v in self._unweighted_values for v in leaves):
             self._say_unweighted_mean()
         if not any(keras_callers.is_uneven_batch_reduce(self, v) for v in leaves):
             return super().reduce(reduce_op, value, axis)

@@ -20,14 +20,19 @@ def static_batch_size(dataset):
     """The dataset's batch size without partial batches, or None when it cannot be inferred.
 
     Uses tf.data's own inference (`compute_batch_size`, which walks the pipeline to its last
-    `batch`), the same one `tf.distribute` uses for rebatching.
+    `batch`), the same one `tf.distribute` uses for rebatching. Its answer is a tensor: read
+    at once when eager, and in a graph (a tf.function, a v1 graph) only where it folds to a
+    constant (`tf.get_static_value`); else None, as for a pipeline it cannot see through.
     """
     from tensorflow.python.data.experimental.ops import distribute as data_distribute
 
     try:
-        value = int(data_distribute.compute_batch_size(dataset).numpy())
+        value = tf.get_static_value(data_distribute.compute_batch_size(dataset))
     except (tf.errors.OpError, TypeError, ValueError):  # pragma: no cover - defensive
         return None
+    if value is None:
+        return None
+    value = int(value)
     return value if value > 0 else None
 
 
