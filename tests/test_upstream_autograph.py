@@ -86,3 +86,40 @@ def test_a_custom_loop_step_with_python_control_flow_is_converted_as_under_a_sto
     # Batch 1: replica 0's rows sum to 6 (not doubled), replica 1's to 22 (doubled).
     assert stock == [(1 + 5) / 4 + 2 * (9 + 13) / 4, 2 * (17 + 21 + 25 + 29) / 4]
     np.testing.assert_allclose(ours, stock, rtol=1e-6)
+
+
+def test_a_tf_function_handed_to_the_stock_run_is_cloned_around_the_replicas(cpus):
+    """`autograph.function_around_run`: the stock `run` of a tf.function whose replicas meet
+    in a merge call works only because it clones the function around its replicas (called
+    per replica, the merge call would be inside a nested function); `Function._clone` keeps
+    the decorator's arguments. If this fails, TensorFlow changed how it runs a tf.function
+    handed to `run`: follow it in `function_around_run`."""
+    from tensorflow.python.distribute import mirrored_run
+    from tensorflow.python.eager import def_function
+
+    strategy = tf.distribute.MirroredStrategy(cpus[:2])
+
+    @tf.function(reduce_retracing=True, input_signature=[])
+    def replica_sum():
+        ctx = tf.distribute.get_replica_context()
+        own = tf.cast(ctx.replica_id_in_sync_group + 1, tf.float32)
+        return ctx.all_reduce("SUM", own)  # a merge call
+
+    summed = strategy.run(replica_sum)
+    assert [float(t) for t in strategy.experimental_local_results(summed)] == [3.0, 3.0]
+    clone = mirrored_run._cfer_fn_cache[strategy][replica_sum]  # stock's clone, cached
+    assert isinstance(clone, def_function.Function) and clone is not replica_sum
+    with pytest.raises(RuntimeError, match="`merge_call` called while defining a new graph"):
+        mirrored_run._call_for_each_replica(strategy, replica_sum, (), {})
+
+    ours, clones = hb.HeteroMirroredStrategy(cpus[:2]), autograph.function_clones()
+    ours_clone = autograph.function_around_run(ours, replica_sum, None, clones)
+    assert ours_clone is autograph.function_around_run(ours, replica_sum, None, clones)
+    assert autograph.function_around_run(ours, replica_sum.python_function, None,
+                                         clones) is None
+    assert isinstance(ours_clone, def_function.Function)
+    assert ours_clone.input_signature == replica_sum.input_signature
+    assert ours_clone._reduce_retracing and ours_clone._autograph
+    assert ours_clone.python_function is not replica_sum.python_function
+    summed = ours.run(replica_sum)
+    assert [float(t) for t in ours.experimental_local_results(summed)] == [3.0, 3.0]

@@ -64,38 +64,92 @@ def test_loss_scale_optimizer_checks_only_the_first_replica_upstream(cpus, model
     assert scale < 32768.0  # and the loss scale lowered
 
 
+def _launcher(group_key):
+    from tensorflow.python.distribute import collective_util
+    from tensorflow.python.distribute import cross_device_utils
+
+    keys = cross_device_utils.CollectiveKeys(group_key_start=group_key)
+    return cross_device_utils.CollectiveReplicaLauncher(
+        keys.get_group_key(["/cpu:0"]), 2, keys, "/cpu:0", collective_util.Options())
+
+
+def _instance_keys(fn):
+    """The instance key input of each all-reduce traced by `fn` (an int when fixed)."""
+    graph = tf.function(fn).get_concrete_function().graph
+    ops = [op for op in graph.get_operations() if op.type == "CollectiveReduceV2"]
+    return [int(tf.get_static_value(op.inputs[3])) if op.inputs[3].op.type == "Const"
+            else op.inputs[3].op.type for op in ops]
+
+
 def test_tensorflow_feeds_a_collective_a_new_instance_key_at_every_call():
-    """Why the step's all-reduce gets its keys from `collectives.instance_keys_from_values`:
+    """Why the step's all-reduce gets its keys from `collectives.static_instance_keys`:
     TensorFlow's launcher feeds the instance key at every call (so a cluster resolves every
     step's collective anew, through task 0). If the first assert fails, TensorFlow fixed keys
     at trace time itself: re-measure bench_fixed_cost without the adaptation. Traced only: no
     group."""
-    from tensorflow.python.distribute import collective_util
-    from tensorflow.python.distribute import cross_device_utils
+    launcher = _launcher(7)
+    values = [tf.ones([3]), tf.ones([2, 2]), tf.zeros([3])]
 
-    keys = cross_device_utils.CollectiveKeys(group_key_start=7)
-    launcher = cross_device_utils.CollectiveReplicaLauncher(
-        keys.get_group_key(["/cpu:0"]), 2, keys, "/cpu:0", collective_util.Options())
-    values = [tf.ones([3]), tf.ones([2, 2])]
-
-    def instance_keys(fn):  # the instance key input of each all-reduce traced by fn
-        graph = tf.function(fn).get_concrete_function().graph
-        ops = [op for op in graph.get_operations() if op.type == "CollectiveReduceV2"]
-        return [int(tf.get_static_value(op.inputs[3])) if op.inputs[3].op.type == "Const"
-                else op.inputs[3].op.type for op in ops]
-
-    def two_sums():
+    def three_sums():
         return [launcher.all_reduce(v) for v in values]
 
-    assert instance_keys(two_sums) == ["Placeholder", "Placeholder"]  # fed at every call
-    with collectives.instance_keys_from_values([launcher], values):
-        first, second = instance_keys(two_sums), instance_keys(two_sums)
+    assert _instance_keys(three_sums) == ["Placeholder"] * 3  # fed at every call
+    with collectives.static_instance_keys([launcher]):
+        first, second = _instance_keys(three_sums), _instance_keys(three_sums)
     assert all(isinstance(k, int) and k >= 2 ** 30 for k in first), first
     assert first == second  # the same keys whenever (and wherever) it is traced
-    assert first[0] != first[1]  # distinct collectives of one function: distinct keys
-    with collectives.instance_keys_from_values([launcher], values[:1]):
-        assert instance_keys(lambda: launcher.all_reduce(values[0])) != first[:1]  # other shapes
-    assert instance_keys(two_sums) == ["Placeholder", "Placeholder"]  # outside: TensorFlow's
+    assert len(set(first)) == 3  # distinct collectives of one function (one shape twice)
+    with collectives.static_instance_keys([launcher]):
+        assert _instance_keys(lambda: launcher.all_reduce(values[0])) == first[:1]
+        assert _instance_keys(lambda: launcher.all_reduce(tf.ones([4]))) != first[:1]
+    assert _instance_keys(three_sums) == ["Placeholder"] * 3  # outside: TensorFlow's
+
+
+def test_a_nested_trace_keeps_its_own_ranks_and_eager_calls_keep_tensorflows_keys():
+    """`collectives.static_instance_keys`: ranks count per function graph, so a function
+    traced in the middle of another's trace neither restarts nor shares the outer count; an
+    eager all-reduce (TensorFlow's counter) is never given a fixed key."""
+    launcher = _launcher(11)
+
+    def inner():
+        return launcher.all_reduce(tf.ones([5]))
+
+    def outer():
+        first = launcher.all_reduce(tf.ones([5]))
+        nested = tf.function(inner).get_concrete_function().graph  # traced meanwhile
+        ops = [op for op in nested.get_operations() if op.type == "CollectiveReduceV2"]
+        nested_keys.append(int(tf.get_static_value(ops[0].inputs[3])))
+        return [first, launcher.all_reduce(tf.ones([5]))]
+
+    nested_keys = []
+    with collectives.static_instance_keys([launcher]):
+        outer_keys = _instance_keys(outer)
+        alone = _instance_keys(inner)
+        eager = launcher._next_instance_key()  # as an eager all-reduce asks
+    assert len(set(outer_keys)) == 2, outer_keys  # not restarted by the nested trace
+    assert nested_keys == alone == outer_keys[:1]  # its own rank 0, like any other trace
+    assert int(eager) < 2 ** 30  # TensorFlow's counter
+
+
+def test_a_static_key_stands_for_one_dtype_shape_and_rank_in_the_process():
+    """`collectives.static_instance_key`: TensorFlow keeps what it resolved for an instance
+    key (dtype, shape) for the life of the process and aborts every collective when the key
+    comes with another ("Shape mismatch in the collective instance"). A hash that lands on a
+    key taken by something else moves on to a free one."""
+    group = 987_654
+    key = collectives.static_instance_key(group, tf.float32, [3], 0)
+    assert key == collectives.static_instance_key(group, "float32", (3,), 0)  # stable
+    others = {collectives.static_instance_key(group, dtype, shape, rank)
+              for dtype in (tf.float32, tf.float64) for shape in ([3], [1, 3], [4])
+              for rank in (0, 1)}
+    assert len(others) == 12 and key in others
+    taken = (group + 1, key)  # another group: the same hash, a key of its own
+    collectives._static_keys[taken] = ("int32", (9, 9), 0)  # as if taken by another identity
+    try:
+        moved = collectives.static_instance_key(group + 1, tf.float32, [3], 0)
+    finally:
+        del collectives._static_keys[taken]
+    assert moved != key and 2 ** 30 <= moved < 2 ** 31
 
 
 def test_keras_optimizer_all_reduces_through_the_wrapped_method(cpus):

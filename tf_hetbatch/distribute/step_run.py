@@ -38,9 +38,14 @@ class StepRunner:
         # the last trace of its step: the multi-step loop makes the last step's logs global
         # after the loop (`global_logs`), where the traced tensors are gone.
         self._log_paths = weakref.WeakKeyDictionary()
+        self._function_clones = autograph.function_clones()  # tf.functions handed to `run`
 
     def run(self, fn, args, kwargs, options, stock_run):
         strategy = self._strategy
+        in_function = autograph.function_around_run(strategy, fn, options,
+                                                    self._function_clones)
+        if in_function is not None:  # a tf.function: run inside a clone of it, as stock does
+            return in_function(*args, **(kwargs or {}))
         model, kind = keras_callers.keras_model_of_step(fn)
         if model is not None:
             keras_trainer.check_steps_per_execution(model)

@@ -50,6 +50,13 @@ class OneHost:
         self._strategy = strategy
         self.allocation = input_split.Allocation(strategy.num_replicas_in_sync, HOST_DEVICE)
 
+    @property
+    def tells_shared_values(self) -> bool:
+        """Whether a value that is one object on every replica (a tensor made outside the
+        step) is told apart from per-replica values and reduced as the stock strategy reduces
+        it (`updates`): with more than one replica (with one, every value is one object)."""
+        return self._strategy.num_local_replicas > 1
+
     def gather(self, local_values: np.ndarray) -> np.ndarray:
         """All replicas' rows from this process's: they are all here."""
         return local_values
@@ -80,6 +87,10 @@ class Workers:
 
     keyed_by_step = True
     time_from_release = True  # each worker's own work between steps is its cost
+    # Every worker must reduce the same values the same way, and on a one-replica worker every
+    # value is one object: a plain value counts as the same value on every local replica
+    # (`_upstream.device_layout`), batched with the others.
+    tells_shared_values = False
 
     def __init__(self, strategy, layout: DeviceLayout, switch_margin: int):
         self._strategy = strategy

@@ -7,8 +7,8 @@ them across replicas itself, and applies the sum with the optimizer's own all-re
 on (`collectives.gradients_already_reduced`). So gradient clipping acts on the global gradient, as
 on one device (stock Keras clips each replica's part), and a LossScaleOptimizer decides on the
 same summed gradients on every replica (stock Keras checks the first replica's only,
-keras-team/keras#18666). The sum's instance keys are fixed when traced (`_compat`), so the
-cluster sets it up once.
+keras-team/keras#18666). The sum's instance keys are fixed when traced
+(`collectives.static_instance_keys`), so the cluster sets it up once.
 
 One all-reduce per step: in Keras's own `train_step` (`ReplicaStep.carry_logs`) `apply` only
 holds the gradients; at the end of the step (`finish_step`) one all-reduce sums them together
@@ -43,6 +43,8 @@ def adapt_optimizer(optimizer) -> None:
             step.capture.append(weighting.CapturedApply(
                 optimizer, original_apply, grads, trainable_variables))
             return None
+        if _all_same_on_every_replica(grads):  # no replica's own: the stock reduction
+            return original_apply(grads, trainable_variables)
         return _apply_replica_gradients(step, optimizer, original_apply, grads,
                                         trainable_variables)
 
@@ -179,12 +181,35 @@ def sum_across_replicas(values, after_every_local_replica: bool = False):
         by_dtype.setdefault(v.dtype, []).append(i)
     out = [None] * len(values)
     launchers = collectives.collective_launchers(ctx.strategy)
-    with collectives.instance_keys_from_values(launchers, values):  # resolved once, not per step
+    with collectives.static_instance_keys(launchers):  # resolved once, not per step
         for indices in by_dtype.values():
             for i, r in zip(indices, ctx.all_reduce(tf.distribute.ReduceOp.SUM,
                                                     [values[i] for i in indices])):
                 out[i] = r
     return out
+
+
+def _all_same_on_every_replica(grads):
+    """Replica context: whether every gradient present is one and the same object on every
+    replica (a tensor made outside the step), where the strategy's topology tells
+    (`tells_shared_values`). Such gradients are nothing a replica computed from its batch:
+    the optimizer reduces and applies them as under the stock strategy (its all-reduce passes
+    them on unsummed; Keras's gradient accumulation then sums the accumulated mean over the
+    replicas). Batched with the step's timing row they failed in TensorFlow's all-reduce (a
+    one-component value among per-replica ones); the stock strategy fails on a mix of such
+    gradients and per-replica ones, and so does this one."""
+    ctx = tf.distribute.get_replica_context()
+    present = [g for g in grads if g is not None]
+    if not present or not getattr(getattr(ctx.strategy, "_topology", None),
+                                  "tells_shared_values", False):
+        return False
+    return ctx.merge_call(_all_plain, args=(present,))
+
+
+def _all_plain(strategy, values):
+    """Cross-replica context: whether no value is per-replica (one object on every replica)."""
+    del strategy
+    return not any(isinstance(v, tf.distribute.DistributedValues) for v in values)
 
 
 def _after_every_local_replica(ctx, values):

@@ -21,11 +21,15 @@ status read where the user called in):
 - `like_stock_run(fn)`: a user's step function, converted as the stock `Strategy.run` converts
   it (by the status where `run` was called; not by default).
 Where TensorFlow's pieces are gone, all three return their argument (rewritten, as before:
-slower, not wrong). Canaries: `tests/test_upstream_autograph.py`.
+slower, not wrong).
+
+A tf.function handed to `strategy.run` is run as the stock strategy runs one
+(`function_around_run`). Canaries: `tests/test_upstream_autograph.py`.
 """
 
 import inspect
 import logging
+import weakref
 
 logger = logging.getLogger(__name__)
 
@@ -65,3 +69,61 @@ def like_stock_run(fn):
     if tf_convert is None:
         return fn
     return tf_convert(fn, ag_ctx.control_status_ctx(), convert_by_default=False)
+
+
+# --- A tf.function handed to `strategy.run` (tensorflow: mirrored_run.call_for_each_replica) --
+# Given a tf.function, the stock `run` does not call it in each replica's thread (a merge_call,
+# e.g. the optimizer's all-reduce, cannot run inside a nested function: "`merge_call` called
+# while defining a new graph or a tf.function"): it clones the function (`Function._clone`:
+# the same name, input signature, AutoGraph, jit_compile and retracing arguments) around
+# `call_for_each_replica` of its Python function, so the replicas' threads and their merge
+# calls run inside it, and caches the clone per strategy and function. A tf_hetbatch strategy
+# does the same one level up: the clone's body is the strategy's whole `run` of the Python
+# function (its weights, timing and global logs included), as if the user had written
+# `tf.function(lambda *a: strategy.run(fn.python_function, a))` with the function's arguments;
+# the clone, a user's function, is converted by AutoGraph as the original would have been.
+# As stock, not for a function compiled by XLA when every device is a GPU (stock calls it per
+# replica: no merge calls there). Private: `Function._clone`, `_jit_compile`; canary
+# `test_a_tf_function_handed_to_the_stock_run_is_cloned_around_the_replicas`.
+try:
+    from tensorflow.python.eager import def_function
+except ImportError as error:  # pragma: no cover - upstream change
+    logger.debug("tf.function class unavailable (%s): a tf.function passed to run is called "
+                 "per replica", error)
+    def_function = None
+
+
+def function_clones():
+    """A cache for `function_around_run`, one per strategy (held by the strategy)."""
+    return weakref.WeakKeyDictionary()  # function -> {options: clone}
+
+
+def function_around_run(strategy, fn, options, clones):
+    """If `fn` is a tf.function that the stock `run` would clone around its replicas: a clone
+    of it (cached in `clones`, from `function_clones`) whose body is
+    `strategy.run(fn.python_function, args, kwargs, options)`; else None (`run` goes on as for
+    a Python function)."""
+    if def_function is None or not isinstance(fn, def_function.Function):
+        return None
+    if getattr(fn, "_jit_compile", False) and all(
+            "GPU" in (d.upper().rsplit("/", 1)[-1]) for d in strategy.extended.worker_devices):
+        return None
+    by_options = clones.setdefault(fn, {})
+    key = _options_key(options)
+    clone = by_options.get(key)
+    if clone is None:
+        python_function = fn.python_function
+
+        def run_in_function(*args, **kwargs):
+            return strategy.run(python_function, args=args, kwargs=kwargs, options=options)
+
+        clone = by_options[key] = fn._clone(python_function=run_in_function)
+    return clone
+
+
+def _options_key(options):
+    try:
+        hash(options)
+    except TypeError:
+        return id(options)
+    return options

@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import itertools
 import logging
+import threading
 import weakref
 
 import tensorflow as tf
@@ -95,18 +96,33 @@ def gradients_already_reduced(optimizer):
 # call of a traced function new instance keys (a call-time capture), so the cluster resolves
 # every step's all-reduce anew, through task 0 (an RPC from every other worker to the chief,
 # and work on the chief's CPU). It does so because keys assigned at trace time by its counter
-# disagree once workers retrace at different times. The step's sum (`weighting.finish_step`)
-# gets keys from what it reduces instead: a hash of its values' dtypes and shapes and of the
-# request's rank among such requests in the function being traced (one per pack), the same on
-# every worker whatever each has traced, so it is resolved once and every later step reuses it
-# (as TensorFlow's own multi-step loops reuse one key per execution). The keys live in
-# [2**30, 2**31), apart from TensorFlow's counter (from 100); a reused key with another shape is
-# TensorFlow's "Shape mismatch in the collective instance" error, not a hang. Measured
-# (bench_fixed_cost, 3 workers capped 0.24/0.4/0.96, B = 3): 25-31 ms per step vs 34-43 ms with
-# TensorFlow's per-call keys. Private: `_launchers` of the strategy's cross-device ops and each
-# launcher's `_next_instance_key`, adapted per launcher instance; canary
-# `test_tensorflow_feeds_a_collective_a_new_instance_key_at_every_call`.
+# disagree once workers retrace at different times. The step's sums (`updates`) get keys from
+# what each collective reduces instead: a hash of its tensor's dtype and shape and of its rank
+# among the collectives of that dtype and shape in the function being traced, the same on every
+# worker whatever each has traced, so it is resolved once and every later step reuses it (as
+# TensorFlow's own multi-step loops reuse one key per execution). Measured (bench_fixed_cost, 3
+# workers capped 0.24/0.4/0.96, B = 3): 25-31 ms per step vs 34-43 ms with per-call keys.
+# TensorFlow keeps what it resolved for a key (group, dtype, shape) for the life of the process,
+# and refuses the key for anything else, aborting every collective of the process ("Shape
+# mismatch in the collective instance", "expected data_type 2 but got data_type 1"). So:
+# - a key stands for one (group, dtype, shape, rank): a process-wide table hands out each key
+#   once, and a hash that lands on a taken key moves to the next free one;
+# - the keys live in [2**30, 2**31), apart from TensorFlow's counter (from 100, one a call);
+# - eager all-reduces (and anything of unknown shape, or not a step's sum) keep TensorFlow's
+#   keys: its counter, consistent across workers for eager calls, and per call when traced.
+#   An eager all-reduce runs on a new pool thread per device, so nothing of the calling
+#   thread (its default graph) can count it.
+# The ranks count per function graph (the outermost graph of control flow, as TensorFlow's
+# launcher does), so a nested trace neither resets nor shares its caller's count.
+# Private: `_launchers` of the strategy's cross-device ops, each launcher's `all_reduce`,
+# `_next_instance_key` and `_group_key`, adapted per launcher instance; canary
+# `test_tensorflow_feeds_a_collective_a_new_instance_key_at_every_call`, and
+# `test_a_nested_trace_keeps_its_own_ranks_and_eager_calls_keep_tensorflows_keys`,
+# `test_a_static_key_stands_for_one_dtype_shape_and_rank_in_the_process`.
 _STATIC_KEY_BASE = 1 << 30
+_static_keys_lock = threading.Lock()
+_static_keys = {}  # (group key, instance key) -> (dtype, shape, rank): each handed out once
+_static_key_of = {}  # (group key, dtype, shape, rank) -> instance key
 
 
 def collective_launchers(strategy):
@@ -116,48 +132,81 @@ def collective_launchers(strategy):
 
 
 @contextlib.contextmanager
-def instance_keys_from_values(launchers, values):
-    """While tracing the all-reduce of `values`: the `launchers` (`collective_launchers`) give
-    it instance keys derived from the values' dtypes and shapes and from the order of the
-    requests within the function being traced. No launchers, or values of unknown shape:
-    TensorFlow's keys, unchanged."""
-    shapes = [v.shape for v in values]
-    if not launchers or not all(s.is_fully_defined() for s in shapes):
-        yield
-        return
-    signature = repr([(v.dtype.name, tuple(s)) for v, s in zip(values, shapes)])
+def static_instance_keys(launchers):
+    """While a step's sum is traced: the all-reduces the `launchers` (`collective_launchers`)
+    trace get instance keys fixed at trace time (see above); eager ones and those of unknown
+    shape keep TensorFlow's. May nest."""
     states = [_adapted_launcher_state(launcher) for launcher in launchers]
     for state in states:
-        if state["depth"] and state["signature"] != signature:
-            raise RuntimeError("two tf_hetbatch step all-reduces traced at once on one launcher")
-        state["signature"] = signature
-        state["depth"] += 1
+        with state["lock"]:
+            state["depth"] += 1
     try:
         yield
     finally:
         for state in states:
-            state["depth"] -= 1
+            with state["lock"]:
+                state["depth"] -= 1
+
+
+def static_instance_key(group_key, dtype, shape, rank):
+    """The instance key of the `rank`-th all-reduce of (`dtype`, `shape`) in a traced function
+    of collective group `group_key`: the same in every process that asks in the same order,
+    and never the key of another (dtype, shape, rank) of the group in this process."""
+    identity = (group_key, tf.as_dtype(dtype).name, tuple(shape), rank)
+    with _static_keys_lock:
+        key = _static_key_of.get(identity)
+        if key is not None:
+            return key
+        digest = hashlib.blake2b(repr(identity[1:]).encode(), digest_size=4).digest()
+        offset = int.from_bytes(digest, "big") % _STATIC_KEY_BASE
+        while (group_key, _STATIC_KEY_BASE + offset) in _static_keys:  # taken: the next one
+            offset = (offset + 1) % _STATIC_KEY_BASE
+        key = _STATIC_KEY_BASE + offset
+        _static_keys[(group_key, key)] = identity[1:]
+        _static_key_of[identity] = key
+        return key
+
+
+def _function_graph():
+    """The graph of the function being traced (None in eager mode or outside functions)."""
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    while getattr(graph, "is_control_flow_graph", False):  # as TensorFlow's launcher does
+        graph = graph.outer_graph
+    return graph if getattr(graph, "building_function", False) else None
 
 
 def _adapted_launcher_state(launcher):
     state = getattr(launcher, "_tf_hetbatch_keys", None)
     if state is not None:
         return state
-    state = {"depth": 0, "signature": None, "graph": None, "calls": 0}
-    original = launcher._next_instance_key
+    state = {"depth": 0, "lock": threading.Lock(), "tensor": threading.local(),
+             "ranks": weakref.WeakKeyDictionary()}  # function graph -> {(dtype, shape): n}
+    original_key, original_all_reduce = launcher._next_instance_key, launcher.all_reduce
+
+    def all_reduce(input_tensor, *args, **kwargs):
+        state["tensor"].value = input_tensor
+        try:
+            return original_all_reduce(input_tensor, *args, **kwargs)
+        finally:
+            state["tensor"].value = None
 
     def next_instance_key():
-        if not state["depth"]:
-            return original()
-        graph = tf.compat.v1.get_default_graph()
-        while getattr(graph, "is_control_flow_graph", False):  # as TensorFlow's launcher does
-            graph = graph.outer_graph
-        if state["graph"] is None or state["graph"]() is not graph:
-            state["graph"], state["calls"] = weakref.ref(graph), 0  # distinct keys per function
-        digest = hashlib.blake2b(f"{state['signature']}#{state['calls']}".encode(),
-                                 digest_size=4).digest()
-        state["calls"] += 1
-        return _STATIC_KEY_BASE + int.from_bytes(digest, "big") % _STATIC_KEY_BASE
+        tensor = getattr(state["tensor"], "value", None)
+        state["tensor"].value = None  # one key per all_reduce
+        graph = _function_graph()
+        shape = getattr(tensor, "shape", None)
+        if (not state["depth"] or graph is None or shape is None
+                or not shape.is_fully_defined()):
+            return original_key()
+        kind = (tensor.dtype.name, tuple(shape))
+        with state["lock"]:
+            ranks = state["ranks"].setdefault(graph, {})
+            rank = ranks.get(kind, 0)
+            ranks[kind] = rank + 1
+        return static_instance_key(launcher._group_key, tensor.dtype, shape, rank)
     launcher._tf_hetbatch_keys = state
     launcher._next_instance_key = next_instance_key
+    launcher.all_reduce = all_reduce
     return state
