@@ -197,12 +197,16 @@ def _all_same_on_every_replica(grads):
     them on unsummed; Keras's gradient accumulation then sums the accumulated mean over the
     replicas). Batched with the step's timing row they failed in TensorFlow's all-reduce (a
     one-component value among per-replica ones); the stock strategy fails on a mix of such
-    gradients and per-replica ones, and so does this one."""
+    gradients and per-replica ones, and so does this one. Told in an eager `run` only (where
+    such values come from: a gradient made once, outside the replicas)."""
     ctx = tf.distribute.get_replica_context()
     present = [g for g in grads if g is not None]
-    if not present or not getattr(getattr(ctx.strategy, "_topology", None),
-                                  "tells_shared_values", False):
+    if not present or not tf.executing_eagerly() or not getattr(
+            getattr(ctx.strategy, "_topology", None), "tells_shared_values", False):
         return False
+    # Eager only: a merge call in every traced step changed what the timing stamps measure (the
+    # replicas' traces interleave at it; measured: with it, test_callback's cost model read
+    # the slowest replica as the fastest and the controller moved samples to it).
     return ctx.merge_call(_all_plain, args=(present,))
 
 
