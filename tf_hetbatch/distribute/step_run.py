@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from tf_hetbatch.distribute import input_split
 from tf_hetbatch.distribute import micro_batches
+from tf_hetbatch.distribute import timing
 from tf_hetbatch.distribute import updates
 from tf_hetbatch.distribute import weighting
 from tf_hetbatch.distribute._upstream import autograph, keras_callers, keras_trainer, metrics
@@ -338,7 +339,7 @@ def _start_stamp(replica_args, check_nonempty):
         t for t in tf.nest.flatten(replica_args, expand_composites=True) if isinstance(t, tf.Tensor)
     ]
     if not tensors:
-        return replica_args, tf.timestamp(), tf.constant(0, tf.int64)
+        return replica_args, timing.now(), tf.constant(0, tf.int64)
     samples = samples_of(_step_data(replica_args))
     if check_nonempty:
         check = tf.debugging.assert_positive(
@@ -356,4 +357,4 @@ def _start_stamp(replica_args, check_nonempty):
                 expand_composites=True,
             )
     with tf.control_dependencies(tensors):
-        return replica_args, tf.timestamp(), samples
+        return replica_args, timing.now(), samples

@@ -28,15 +28,33 @@ measurements without a collective of its own. The stamps and the records are sid
 of the step waits for them; the table adds K * 5 floats to the all-reduce.
 """
 
+import time
+
 import tensorflow as tf
 
 from tf_hetbatch.core.measurements import ReplicaTimes
+from tf_hetbatch.distribute._upstream import determinism
 
 # Columns of a replica's row: compute seconds, samples, steps, cycle seconds, cycles.
 _COLUMNS = 5
 # The cycle variable's mark after a new measurement starts: no cycle to carry, and the next
 # release closes none (its cycle began before the measurement).
 _NEXT_CLOSES_NONE = -1.0
+
+
+def now() -> tf.Tensor:
+    """In a step's graph: the host clock, seconds since the epoch (float64 scalar).
+
+    `tf.timestamp`, except under op determinism
+    (`tf.config.experimental.enable_op_determinism()`), where TensorFlow refuses to run it (its
+    value is not reproducible): the host's clock is then read through `tf.py_function` (0.16 ms
+    more a stamp here, three a replica a step; it changes no value the model computes).
+    Decided when the step is traced.
+    """
+    if determinism.op_determinism_enabled():
+        stamp = tf.py_function(time.time, [], tf.float64)
+        return tf.reshape(stamp, [])
+    return tf.timestamp()
 
 
 class TimingAccumulators:
@@ -104,13 +122,13 @@ class TimingAccumulators:
         cycle since the previous release."""
         ready = [t for t in tf.nest.flatten(reduced, expand_composites=True) if t is not None]
         with tf.control_dependencies(ready):
-            now = tf.timestamp()
+            now_ = now()
         # Nothing waits for the records (stateful ops the step runs anyway): the update
         # after the all-reduce gets no extra barrier.
         previous = self._release.read_value()
         closes = (previous > 0) & (self._cycle.read_value() != _NEXT_CLOSES_NONE)
-        self._cycle.assign(tf.where(closes, now - previous, tf.zeros_like(now)))
-        self._release.assign(now)
+        self._cycle.assign(tf.where(closes, now_ - previous, tf.zeros_like(now_)))
+        self._release.assign(now_)
         return reduced
 
     def reset_clock(self):

@@ -22,6 +22,7 @@ sums and applies at once, and the logs take a second all-reduce.
 
 import tensorflow as tf
 
+from tf_hetbatch.distribute import timing
 from tf_hetbatch.distribute import weighting
 from tf_hetbatch.distribute.weighting import ReplicaStep, current_step
 from tf_hetbatch.distribute._upstream import collectives, metrics
@@ -237,7 +238,7 @@ def _timed_gradients(step, grads):
     """
     ready = [g for g in tf.nest.flatten(grads, expand_composites=True) if g is not None]
     with tf.control_dependencies(ready):
-        end_time = tf.timestamp()
+        end_time = timing.now()
     start_time = step.timing.step_start(step.start_time)
     step.timing_row = step.timing.row(end_time - start_time, step.samples)
     return grads

@@ -26,6 +26,7 @@ import tensorflow as tf
 from tf_hetbatch.core._validate import check_int
 from tf_hetbatch.core.measurements import Staleness
 from tf_hetbatch.distribute import parameter_server
+from tf_hetbatch.distribute import timing
 from tf_hetbatch.distribute.parameter_server import HeteroParameterServerStrategy
 from tf_hetbatch.training import checkpoint_choice as _choice
 from tf_hetbatch.training import run_checkpoint as _run
@@ -374,7 +375,7 @@ class AsyncTrainer:
                 optimizer.apply(grads, model.trainable_variables)
             # Keras increments `iterations` last in `apply`: reading it orders what follows.
             with tf.control_dependencies([tf.identity(optimizer.iterations.value)]):
-                seconds = tf.timestamp() - started
+                seconds = timing.now() - started
                 record = strategy.record_update(worker, size, seconds, before - read_at)
             updates = _add_metric_update(self.loss_tracker, loss,
                                          sample_weight=tf.cast(size, tf.float32))
@@ -385,7 +386,7 @@ class AsyncTrainer:
 
         @tf.function
         def train_step(iterator, sizes):
-            started = tf.timestamp()
+            started = timing.now()
             with tf.control_dependencies([started]):
                 worker, first = next(iterator)
             count = sizes[worker]
