@@ -49,6 +49,7 @@ class HeteroMixin(micro_batches.LimitsMixin):
         self._weights_in_pipeline = True
         self._said_unsplit = weakref.WeakSet()  # datasets whose unsplit input was logged
         self._said_unweighted_mean = False
+        self._said_untimed = False  # a step XLA compiles takes no stamps (`timing`)
         self._unweighted_values = step_run.UnweightedValues()  # see `reduce`
         self._split_input_work = True
         self._user_batched_data = False  # data batched per replica by a user's function
@@ -393,6 +394,20 @@ class HeteroMixin(micro_batches.LimitsMixin):
         self._needs_nonempty_replicas = True
         if self.batch_sizes is not None:
             step_run.check_nonempty_sizes(self.batch_sizes)
+
+    def _note_untimed_step(self):
+        """A step compiled by XLA was traced: it takes no replica timing stamps (`timing`).
+        Once a strategy, the chief says why and what follows."""
+        if self.is_chief and not self._said_untimed:
+            logger.warning(
+                "The training step is compiled by XLA (model.compile(jit_compile=True), or a "
+                "tf.function(jit_compile=True) around strategy.run): no replica's clock can be "
+                "read inside it (tf.timestamp has no XLA kernel), so its steps record no "
+                "replica times (read_replica_times counts no steps for them), and the batch "
+                "split stays where it is: the static split, or the one set_batch_sizes sets; "
+                "DynamicBatching and Balancer keep it. Fix, to balance the split from measured "
+                "times: compile with jit_compile=False.")
+        self._said_untimed = True
 
     def global_logs(self, model, outputs):
         """Cross-replica context: `outputs` of a Keras train/test step with each of `model`'s
