@@ -532,7 +532,11 @@ class HeteroMirroredStrategy(HeteroMixin, tf.distribute.MirroredStrategy):
       its one-step function into the multi-step loop (`keras_trainer.inline_multi_step`); it needs
       Keras's fit/evaluate/predict to distribute the data, and no `jit_compile`;
     - plain (unsynchronised) BatchNormalization computes local statistics, as with the stock
-      strategy, so it is not exact; and a replica may not get an empty batch with it.
+      strategy, so it is not exact; and a replica may not get an empty batch with it;
+    - with `jit_compile=True` XLA compiles the whole step, where no replica's clock can be read:
+      its steps are exact but not timed (`read_replica_times` counts none), so the split stays
+      where it is (the static one, or `set_batch_sizes`); with `steps_per_execution > 1` it
+      is refused.
 
     Args:
         devices: as for `tf.distribute.MirroredStrategy`.
