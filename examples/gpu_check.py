@@ -13,7 +13,10 @@ On a machine with GPUs (a few minutes):
    "host"); each replica's samples/s and the exactness against one device;
 5. micro-batches, on the host of part 2 with the uneven split of part 3: the mean step time without
    micro-batch limits and with each replica bounded at a third of its share (3 micro-batches
-   each, `set_micro_batch_limits`), and the bounded run's exactness against one device.
+   each, `set_micro_batch_limits`), and the bounded run's exactness against one device;
+6. XLA: a `jit_compile=True` fit under `HeteroMirroredStrategy` on all GPUs (an uneven split
+   where there are several; XLA compiles the step, so the replicas are not timed and the split
+   stays as set): whether it trained, and its exactness against one device, jit-compiled too.
 
 Up front, each device with memory of its own (a GPU: `tf.config.experimental.get_memory_info`)
 gets a memory bound from `tf_hetbatch.probe_micro_batch_limits`: the peak memory of a training
@@ -21,7 +24,8 @@ step at two batch sizes, fitted linearly (a fixed part plus a part per sample) a
 the device's free memory (as nvidia-smi reports it before the probe: an estimate, TensorFlow's
 own pool and other processes move it).
 
-Without a GPU it says which parts it skipped and runs the rest on logical CPUs: two logical
+Without a GPU it says which parts it skipped (part 6: XLA with several logical CPU replicas
+fails for the stock MirroredStrategy too) and runs the rest on logical CPUs: two logical
 CPUs stand in for a host with two devices, and the two workers host 1 and 2 logical CPUs with
 the host all-reduce forced (the path a GPU worker and a CPU worker take). `--steps 4` is the
 tiny mode the test suite runs (well under a minute on CPU).
@@ -82,7 +86,7 @@ def dataset(steps, seed=0):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
 
 
-def make_model(filters):
+def make_model(filters, jit_compile=False):
     import keras
 
     keras.utils.set_random_seed(3)
@@ -95,7 +99,8 @@ def make_model(filters):
         keras.layers.Dense(10),
     ])
     model.compile(keras.optimizers.SGD(0.05, momentum=0.9),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=jit_compile)
     return model
 
 
@@ -242,6 +247,40 @@ def micro_batches(devices, split, args):
     return result
 
 
+# ------------------------------------------------------------------------- XLA ------------
+def jit_fit(num_gpus, args):
+    """A `jit_compile=True` fit under `HeteroMirroredStrategy` on the `num_gpus` GPUs, uneven
+    where there are several: whether it trained (else the error) and its exactness against one
+    device (TensorFlow's default placement), jit-compiled too, on the same global batches."""
+    import tf_hetbatch as hb
+
+    steps = steps_of(args)[2]
+    strategy = hb.HeteroMirroredStrategy([f"/gpu:{i}" for i in range(num_gpus)])
+    even = [BATCH // num_gpus + (i < BATCH % num_gpus) for i in range(num_gpus)]
+    split = skewed(even) if num_gpus > 1 else even
+    strategy.set_batch_sizes(split)
+    with strategy.scope():
+        model = make_model(args.filters, jit_compile=True)
+    try:
+        model.fit(dataset(steps), epochs=1, verbose=0)
+    except Exception as error:  # the check reports it: the other parts' results still print
+        message = _cause(error)
+        return {"split": split, "trained": False, "error": f"{type(error).__name__}: {message}"}
+    one = make_model(args.filters, jit_compile=True)
+    one.fit(dataset(steps), epochs=1, verbose=0)
+    return {"split": split, "trained": True,
+            "max_weight_diff": max_diff(model.get_weights(), one.get_weights())}
+
+
+def _cause(error):
+    """The line of a TensorFlow error that says what failed (not its trace), shortened."""
+    lines = [line.strip() for line in str(error).splitlines()
+             if line.strip() and not line[:1].isspace()]
+    said = [line for line in lines if not line.startswith(
+        ("Graph execution error", "Detected at node", "Stack trace", "[["))]
+    return (said or lines or [""])[0][:300]
+
+
 # ------------------------------------------------------------------------- memory ---------
 def reports_memory(device):
     """Whether `device` has memory of its own that TensorFlow reports: a GPU (or TPU). CPUs
@@ -381,6 +420,16 @@ def print_table(results):
           f"  {'no bounds':40} step {micro['step_ms_unbounded']:7.1f} ms\n"
           f"  {bounded:40} step {micro['step_ms_bounded']:7.1f} ms; exact vs one device: "
           f"{verdict(micro['max_weight_diff'], mixed)}")
+    jit = results["jit"]
+    if jit is None:
+        print("jit_compile: skipped: no GPU (XLA with several logical CPU replicas fails for "
+              "the stock MirroredStrategy too)")
+    elif jit["trained"]:
+        print(f"jit_compile=True, {gpus} GPU(s), split {jit['split']}: trained; exact vs one "
+              f"device: {verdict(jit['max_weight_diff'], False)}")
+    else:
+        print(f"jit_compile=True, {gpus} GPU(s), split {jit['split']}: did NOT train: "
+              f"{jit['error']}")
     if not results["memory_bounds"]:
         print("memory bounds: skipped: no device reports memory of its own (no GPU; CPU "
               "replicas share the host's)")
@@ -407,6 +456,7 @@ def main(argv=None):
     results["devices"] = measure_devices(devices, args)
     results["one_host"] = one_host(devices, args)
     results["micro_batches"] = micro_batches(devices, results["one_host"]["exact_split"], args)
+    results["jit"] = jit_fit(num_gpus, args) if num_gpus else None
     print_table(results)
     if args.out:
         with open(args.out, "w") as f:

@@ -147,6 +147,7 @@ def test_gpu_check_tiny_mode_on_cpu_says_what_it_skipped(tmp_path):
     assert cluster["kinds"] == ["CPU"] * 3 and all(s > 0 for s in cluster["samples_per_s"])
     # Micro-batches: the uneven split again, each replica bounded at a third of its share.
     assert "memory bounds: skipped: no device reports memory" in out
+    assert "jit_compile: skipped: no GPU" in out and found["jit"] is None  # part 6: GPUs only
     assert found["memory_bounds"] == []
     micro = found["micro_batches"]
     assert micro["split"] == host["exact_split"]

@@ -6,7 +6,7 @@ strategy runs the step as the stock one does, and adds, per replica:
   (`weighting.step_objects`) are adapted once, and each replica's share of the global batch
   comes from the actual batches of the step;
 - the replica's compute time (`timing`), from its inputs (or its release by the previous
-  all-reduce) to its local gradients;
+  all-reduce) to its local gradients; none in a step XLA compiles (`jit_compile=True`);
 - the step's logs as true global means: every log that is a metric's `result()` is replaced
   by the metric's global value, from all replicas' metric variables summed in one all-reduce
   (Keras's own train step: in the gradients' all-reduce, `updates.finish_step`). The stock
@@ -59,6 +59,9 @@ class StepRunner:
         if check_nonempty:
             strategy._note_local_batch_norm()
         totals = strategy._step_totals(data, kind) if distributed else None
+        timed = timing.stamps_possible()  # not in a step XLA compiles (`timing`)
+        if not timed and (training_step or (kind is None and optimizers)):
+            strategy._note_untimed_step()  # (evaluation is timed by no one)
         carry_logs = training_step and keras_trainer.is_keras_own_train_step(fn)
         sync_batch_norm = any(_has_batch_norm(m, synchronized=True) for m in models)
         steps, logs_global = [], []
@@ -70,7 +73,7 @@ class StepRunner:
         user_fn = autograph.like_stock_run(fn)  # ours below run as they are (`autograph`)
 
         def replica_fn(*replica_args, **replica_kwargs):
-            replica_args, start_time, samples = _start_stamp(replica_args, check_nonempty)
+            replica_args, start_time, samples = _start_stamp(replica_args, check_nonempty, timed)
             data_here = _step_data(replica_args)
             shares_of, total_samples = _shares_of(totals, data_here) if distributed \
                 else (None, None)
@@ -80,7 +83,8 @@ class StepRunner:
                 model_step=model is not None, total_samples=total_samples,
                 sum_across=updates.sum_across_replicas,
                 has_sample_weight=has_sample_weight(data_here),
-                start_time=start_time, samples=samples, timing=strategy._timing,
+                start_time=start_time, samples=samples,
+                timing=strategy._timing if timed else None,
                 carry_logs=carry_logs, optimizers_reached=bool(optimizers),
                 sync_batch_norm=sync_batch_norm,
                 failure_flags=None if plan is None else strategy._micro_batches.flags_of_step(
@@ -320,8 +324,9 @@ def _has_batch_norm(model, synchronized):
     )
 
 
-def _start_stamp(replica_args, check_nonempty):
+def _start_stamp(replica_args, check_nonempty, timed=True):
     """Replica context: (args, the time this replica's inputs are there, its number of samples).
+    Without `timed` (a step XLA compiles, `timing`) the time is None: no stamp is taken.
 
     The stamp depends on the inputs only and nothing depends on it but the timing record, so it
     adds no barrier to the step: gating the replica's work on the stamp, or on all replicas'
@@ -338,8 +343,9 @@ def _start_stamp(replica_args, check_nonempty):
     tensors = [
         t for t in tf.nest.flatten(replica_args, expand_composites=True) if isinstance(t, tf.Tensor)
     ]
+    stamp = timing.now if timed else (lambda: None)
     if not tensors:
-        return replica_args, timing.now(), tf.constant(0, tf.int64)
+        return replica_args, stamp(), tf.constant(0, tf.int64)
     samples = samples_of(_step_data(replica_args))
     if check_nonempty:
         check = tf.debugging.assert_positive(
@@ -357,4 +363,4 @@ def _start_stamp(replica_args, check_nonempty):
                 expand_composites=True,
             )
     with tf.control_dependencies(tensors):
-        return replica_args, timing.now(), samples
+        return replica_args, stamp(), samples

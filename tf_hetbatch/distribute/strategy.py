@@ -49,6 +49,7 @@ class HeteroMixin(micro_batches.LimitsMixin):
         self._weights_in_pipeline = True
         self._said_unsplit = weakref.WeakSet()  # datasets whose unsplit input was logged
         self._said_unweighted_mean = False
+        self._said_untimed = False  # a step XLA compiles takes no stamps (`timing`)
         self._unweighted_values = step_run.UnweightedValues()  # see `reduce`
         self._split_input_work = True
         self._user_batched_data = False  # data batched per replica by a user's function
@@ -394,6 +395,20 @@ class HeteroMixin(micro_batches.LimitsMixin):
         if self.batch_sizes is not None:
             step_run.check_nonempty_sizes(self.batch_sizes)
 
+    def _note_untimed_step(self):
+        """A step compiled by XLA was traced: it takes no replica timing stamps (`timing`).
+        Once a strategy, the chief says why and what follows."""
+        if self.is_chief and not self._said_untimed:
+            logger.warning(
+                "The training step is compiled by XLA (model.compile(jit_compile=True), or a "
+                "tf.function(jit_compile=True) around strategy.run): no replica's clock can be "
+                "read inside it (tf.timestamp has no XLA kernel), so its steps record no "
+                "replica times (read_replica_times counts no steps for them), and the batch "
+                "split stays where it is: the static split, or the one set_batch_sizes sets; "
+                "DynamicBatching and Balancer keep it. Fix, to balance the split from measured "
+                "times: compile with jit_compile=False.")
+        self._said_untimed = True
+
     def global_logs(self, model, outputs):
         """Cross-replica context: `outputs` of a Keras train/test step with each of `model`'s
         metric results replaced by its true global running mean (all replicas' metric variables
@@ -517,7 +532,11 @@ class HeteroMirroredStrategy(HeteroMixin, tf.distribute.MirroredStrategy):
       its one-step function into the multi-step loop (`keras_trainer.inline_multi_step`); it needs
       Keras's fit/evaluate/predict to distribute the data, and no `jit_compile`;
     - plain (unsynchronised) BatchNormalization computes local statistics, as with the stock
-      strategy, so it is not exact; and a replica may not get an empty batch with it.
+      strategy, so it is not exact; and a replica may not get an empty batch with it;
+    - with `jit_compile=True` XLA compiles the whole step, where no replica's clock can be read:
+      its steps are exact but not timed (`read_replica_times` counts none), so the split stays
+      where it is (the static one, or `set_batch_sizes`); with `steps_per_execution > 1` it
+      is refused.
 
     Args:
         devices: as for `tf.distribute.MirroredStrategy`.

@@ -26,6 +26,13 @@ its copy of one ON_READ float64 [K, 5] variable; Python reads this process's fir
 steps (`HeteroMirroredStrategy.read_replica_times`): every worker reads the whole cluster's
 measurements without a collective of its own. The stamps and the records are side ops: no part
 of the step waits for them; the table adds K * 5 floats to the all-reduce.
+
+A step compiled by XLA (`model.compile(jit_compile=True)`: Keras traces the strategy's whole
+`run` inside `tf.function(jit_compile=True)`) takes no stamps: the host clock cannot be read
+inside an XLA cluster (`tf.timestamp` has no XLA kernel, and a `tf.py_function` none either),
+and a replica's compute time is a span within the cluster. Such steps add no row and no
+release: `read_replica_times` counts no steps for them, and the split stays where it is
+(`stamps_possible`; the strategy says so once).
 """
 
 import time
@@ -33,13 +40,19 @@ import time
 import tensorflow as tf
 
 from tf_hetbatch.core.measurements import ReplicaTimes
-from tf_hetbatch.distribute._upstream import determinism
+from tf_hetbatch.distribute._upstream import determinism, xla
 
 # Columns of a replica's row: compute seconds, samples, steps, cycle seconds, cycles.
 _COLUMNS = 5
 # The cycle variable's mark after a new measurement starts: no cycle to carry, and the next
 # release closes none (its cycle began before the measurement).
 _NEXT_CLOSES_NONE = -1.0
+
+
+def stamps_possible() -> bool:
+    """Whether a step traced here can take stamps (`now`): not inside a function XLA compiles
+    (the module docstring). Decided when the step is traced."""
+    return not xla.in_xla_context()
 
 
 def now() -> tf.Tensor:

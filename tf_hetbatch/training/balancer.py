@@ -473,7 +473,12 @@ class Balancer(tf.train.experimental.PythonState):
             self._change_step = None
         used = False
         idle = np.flatnonzero(np.asarray(times.steps) <= 0)
-        if len(idle) and self._static_done:
+        if len(idle) == len(sizes) and self._static_done:
+            # Nothing measured: synchronous steps compiled by XLA take no timing stamps (the
+            # strategy warned once), or no asynchronous worker finished an update.
+            logger.debug("Window ending at step %d: no replica recorded a timed step; split "
+                         "kept.", self._global_step)
+        elif len(idle) and self._static_done:
             # Asynchronous training only (synchronous replicas all run every step): a worker
             # that finished no update in the window (lost, restarting, or far slower than the
             # window) gives no measurement; keep the split until it reports again.

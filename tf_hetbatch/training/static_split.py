@@ -131,8 +131,9 @@ class StaticSplitPolicy:
         if self.initial != "probe":
             return self._split(total, num), self._reason()
         throughput = np.nan_to_num(throughput, nan=0.0)
-        if not np.any(throughput > 0):
-            throughput = np.ones(num)
+        if not np.any(throughput > 0):  # e.g. steps compiled by XLA, which are not timed
+            return self._split(total, num, np.ones(num)), "initial split: uniform (the probe " \
+                "measured no replica)"
         rates = ", ".join(f"{x:.0f}" for x in throughput)
         return (self._split(total, num, throughput),
                 f"initial split: proportional to probed samples/s [{rates}]")

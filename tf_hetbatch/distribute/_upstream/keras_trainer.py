@@ -64,8 +64,10 @@ KNOWN_MAKE_FUNCTION_DIGESTS = frozenset({
 def inline_multi_step(model):
     """Makes `model`'s multi-step train/test functions inline their one-step function.
 
-    A no-op for steps_per_execution == 1, with `jit_compile` (XLA compiles the inner function
-    itself), or where the Keras trainer method is not there; idempotent.
+    A no-op for steps_per_execution == 1, with `jit_compile` (the inlined step would not be
+    compiled by XLA, and Keras's own loop, a jit-compiled one-step function in the loop, fails
+    under several replicas as keras-team/keras#19246 does: `check_steps_per_execution` refuses
+    it), or where the Keras trainer method is not there; idempotent.
 
     Raises:
         ValueError: steps_per_execution > 1 and the model's `_make_function` is not the one
@@ -285,6 +287,18 @@ def check_steps_per_execution(model):
     spe = int(getattr(model, "steps_per_execution", 1) or 1)
     if STEPS_PER_EXECUTION_BROKEN and spe > 1 and not getattr(
             model, "_tf_hetbatch_inlined_steps", False):
+        if getattr(model, "jit_compile", False):
+            # Keras's own loop nests the jit-compiled one-step function in tf.cond inside
+            # tf.while_loop: the stock strategy fails so with 2 replicas ("You must feed a
+            # value for placeholder tensor"), and the inlined loop would not compile the step.
+            raise ValueError(
+                "`steps_per_execution` > 1 with `jit_compile=True` does not train under a "
+                "tf_hetbatch strategy: Keras's multi-step loop with a jit-compiled step fails "
+                "under several replicas (keras-team/keras#19246, the stock MirroredStrategy "
+                "too), and tf_hetbatch's inlined loop would not compile the step. Received: "
+                f"steps_per_execution={spe}, jit_compile=True. Fix: compile with "
+                "steps_per_execution=1 (jit_compile=True trains so), or with "
+                "jit_compile=False (steps_per_execution > 1 trains so).")
         _check_make_function_is_the_copied_one(model, spe)
         raise ValueError(
             "`steps_per_execution` > 1 works under a tf_hetbatch strategy when Keras's fit, "
