@@ -280,3 +280,40 @@ def test_a_custom_loop_sums_replica_losses_to_the_global_loss_as_stock(cpus, spl
         return strategy.reduce("SUM", losses, axis=None)
 
     assert float(loss_of(next(iter(dist)))) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("loss", [lambda: "mse", keras.losses.MeanSquaredError],
+                         ids=["by_name", "object"])
+def test_a_custom_loop_of_compute_loss_before_any_fit(cpus, loss):
+    # The compiled loss is built by the loop's first step (no fit built it): that step weights
+    # it whole, once, whether its term is a Loss object the step reaches or one Keras made.
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(N, 6)).astype("float32")
+    y = rng.normal(size=(N, 1)).astype("float32")
+    keras.utils.set_random_seed(1)
+    reference = _dense()
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss())
+    history = reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0).history
+    strategy = hb.HeteroMirroredStrategy(cpus[:2])
+    strategy.set_batch_sizes([7, 25])
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = _dense()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss())
+    dist = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(32))
+
+    @tf.function
+    def train_step(batch):
+        def replica(features, labels):
+            with tf.GradientTape() as tape:
+                loss_value = model.compute_loss(x=features, y=labels,
+                                                y_pred=model(features, training=True))
+            grads = tape.gradient(loss_value, model.trainable_variables)
+            model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss_value
+        return strategy.reduce("SUM", strategy.run(replica, args=batch), axis=None)
+
+    losses = [float(train_step(batch)) for batch in dist]
+    assert max_weight_diff(reference, model) <= TOL
+    assert np.mean(losses) == pytest.approx(history["loss"][0], rel=1e-5)

@@ -410,7 +410,8 @@ def adapt_loss(loss_object) -> None:
 
 def _adapt_compiled_loss(compile_loss) -> None:
     """The model's compiled loss: its terms weight themselves (`adapt_loss`), adapted once it
-    is built; its total is recorded for `compute_loss`."""
+    is built (a call that builds it, where none of its terms weighted itself, is weighted as a
+    whole); its total is recorded for `compute_loss`."""
     original = compile_loss.call
 
     def call(*args, **kwargs):
@@ -420,13 +421,15 @@ def _adapt_compiled_loss(compile_loss) -> None:
         terms = keras_losses.compiled_loss_terms(compile_loss)
         for term in terms:
             adapt_loss(term)
+        weighted_before = step.seams_weighted
         step.container_depth += 1
         try:
             with _seam(step) as outermost:
                 total = original(*args, **kwargs)
         finally:
             step.container_depth -= 1
-        if not terms and isinstance(total, tf.Tensor):  # built by this call: weighted whole
+        if (not terms and step.seams_weighted == weighted_before
+                and isinstance(total, tf.Tensor)):  # built by this call, no term weighted
             mode = _mode_of_losses(keras_losses.compiled_loss_terms(compile_loss))
             total = _weighted(total, term_weight(step, mode), False, step.num_replicas)
             step.seams_weighted += 1
