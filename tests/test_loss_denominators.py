@@ -60,7 +60,7 @@ def _two_outputs():
                                 "reg": keras.layers.Dense(1, name="reg")(h)})
 
 
-def _dense(penalty=None):
+def _dense():
     inputs = keras.Input((6,))
     h = keras.layers.Dense(8, activation="relu",
                            kernel_regularizer=keras.regularizers.L2(1e-2))(inputs)
@@ -118,6 +118,20 @@ def _assert_logs_equal(pair, rtol=1e-5):
         np.testing.assert_allclose(mine[key], theirs[key], rtol=rtol, err_msg=key)
 
 
+def _assert_as_one_device(diff, *log_pairs):
+    """Weights within TOL of one device's, and each (one device's, ours) pair of logs equal."""
+    assert diff <= TOL
+    for pair in log_pairs:
+        _assert_logs_equal(pair)
+
+
+def _two_output_data(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N, 6)).astype("float32")
+    y = {"cls": rng.integers(0, 3, N), "reg": rng.normal(size=(N, 1)).astype("float32")}
+    return x, y, rng
+
+
 def _scce():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -129,10 +143,7 @@ def test_a_padded_sequence_model_trains_as_one_device(cpus, split, builder):
     # The LSTM's mask reaches the loss: each replica's loss divides by its valid timesteps.
     x, y = _padded_sequences()
     diff, histories, batches, evaluations = _train_pair(builder, x, y, split, loss=_scce)
-    assert diff <= TOL
-    _assert_logs_equal(histories)
-    _assert_logs_equal(batches)
-    _assert_logs_equal(evaluations)
+    _assert_as_one_device(diff, histories, batches, evaluations)
 
 
 @SPLITS
@@ -147,40 +158,29 @@ def test_a_mask_and_per_timestep_sample_weights(cpus, split, reduction):
     diff, histories, batches, evaluations = _train_pair(
         _masking_gru, x, y, split, loss=lambda: keras.losses.MeanSquaredError(reduction=reduction),
         fit_kwargs={"sample_weight": weights}, evaluate_kwargs={"sample_weight": weights})
-    assert diff <= TOL
-    _assert_logs_equal(histories)
-    _assert_logs_equal(batches)
-    _assert_logs_equal(evaluations)
+    _assert_as_one_device(diff, histories, batches, evaluations)
 
 
 @SPLITS
 def test_several_outputs_with_loss_weights_and_their_own_logs(cpus, split):
     # Each output's loss in History and evaluate is the global one, not a mean of replicas'.
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=(N, 6)).astype("float32")
-    y = {"cls": rng.integers(0, 3, N), "reg": rng.normal(size=(N, 1)).astype("float32")}
+    x, y, _ = _two_output_data(3)
     diff, histories, batches, evaluations = _train_pair(
         _two_outputs, x, y, split, loss=lambda: {"cls": _scce(), "reg": "mse"},
         loss_weights={"cls": 1.0, "reg": 0.5})
-    assert diff <= TOL
     assert {"cls_loss", "reg_loss", "loss"} <= set(histories[1])
-    _assert_logs_equal(histories)
-    _assert_logs_equal(batches)
-    _assert_logs_equal(evaluations)
+    _assert_as_one_device(diff, histories, batches, evaluations)
 
 
 @SPLITS
 def test_outputs_with_different_reductions_each_weighted_by_their_own(cpus, split):
-    rng = np.random.default_rng(4)
-    x = rng.normal(size=(N, 6)).astype("float32")
-    y = {"cls": rng.integers(0, 3, N), "reg": rng.normal(size=(N, 1)).astype("float32")}
+    x, y, rng = _two_output_data(4)
     weights = rng.uniform(0.0, 2.0, N).astype("float32")
     diff, histories, _, _ = _train_pair(
         _two_outputs, x, y, split, fit_kwargs={"sample_weight": weights},
         loss=lambda: {"cls": _scce(),
                       "reg": keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")})
-    assert diff <= TOL
-    _assert_logs_equal(histories)
+    _assert_as_one_device(diff, histories)
 
 
 @SPLITS
@@ -194,9 +194,7 @@ def test_sample_weights_with_zeros(cpus, split, reduction):
     diff, histories, batches, _ = _train_pair(
         _dense, x, y, split, loss=lambda: keras.losses.MeanSquaredError(reduction=reduction),
         fit_kwargs={"sample_weight": weights})
-    assert diff <= TOL
-    _assert_logs_equal(histories)
-    _assert_logs_equal(batches)
+    _assert_as_one_device(diff, histories, batches)
 
 
 @pytest.mark.parametrize("split", [[1, 24], [12, 13]], ids=["uneven", "even"])
@@ -209,10 +207,8 @@ def test_an_added_mean_loss_with_an_empty_replica_in_the_last_batch(cpus, split)
     diff, histories, _, evaluations = _train_pair(
         _dense_with_penalty, x, y, split, loss=lambda: "mse", batch_size=25, epochs=1,
         evaluate_kwargs={"batch_size": 30})
-    assert diff <= TOL
     assert np.isfinite(evaluations[1]["loss"])
-    _assert_logs_equal(histories)
-    _assert_logs_equal(evaluations)
+    _assert_as_one_device(diff, histories, evaluations)
 
 
 class OverrideAddsATerm(keras.Model):
@@ -240,9 +236,7 @@ def test_a_compute_loss_override_that_adds_its_own_term(cpus, split):
     y = rng.normal(size=(N, 1)).astype("float32")
     diff, histories, batches, evaluations = _train_pair(_override_model, x, y, split,
                                                         loss=lambda: "mse")
-    assert diff <= TOL
-    _assert_logs_equal(histories)
-    _assert_logs_equal(batches)
+    _assert_as_one_device(diff, histories, batches)
 
 
 def test_a_masked_loss_in_micro_batches_is_refused_with_the_fix(cpus):

@@ -40,7 +40,7 @@ import time
 import tensorflow as tf
 
 from tf_hetbatch.core.measurements import ReplicaTimes
-from tf_hetbatch.distribute._upstream import determinism, xla
+from tf_hetbatch.distribute._upstream import clock
 
 # Columns of a replica's row: compute seconds, samples, steps, cycle seconds, cycles.
 _COLUMNS = 5
@@ -52,7 +52,7 @@ _NEXT_CLOSES_NONE = -1.0
 def stamps_possible() -> bool:
     """Whether a step traced here can take stamps (`now`): not inside a function XLA compiles
     (the module docstring). Decided when the step is traced."""
-    return not xla.in_xla_context()
+    return not clock.in_xla_context()
 
 
 def now() -> tf.Tensor:
@@ -64,7 +64,7 @@ def now() -> tf.Tensor:
     more a stamp here, three a replica a step; it changes no value the model computes).
     Decided when the step is traced.
     """
-    if determinism.op_determinism_enabled():
+    if clock.op_determinism_enabled():
         stamp = tf.py_function(time.time, [], tf.float64)
         return tf.reshape(stamp, [])
     return tf.timestamp()
@@ -135,13 +135,13 @@ class TimingAccumulators:
         cycle since the previous release."""
         ready = [t for t in tf.nest.flatten(reduced, expand_composites=True) if t is not None]
         with tf.control_dependencies(ready):
-            now_ = now()
+            released = now()
         # Nothing waits for the records (stateful ops the step runs anyway): the update
         # after the all-reduce gets no extra barrier.
         previous = self._release.read_value()
         closes = (previous > 0) & (self._cycle.read_value() != _NEXT_CLOSES_NONE)
-        self._cycle.assign(tf.where(closes, now_ - previous, tf.zeros_like(now_)))
-        self._release.assign(now_)
+        self._cycle.assign(tf.where(closes, released - previous, tf.zeros_like(released)))
+        self._release.assign(released)
         return reduced
 
     def reset_clock(self):

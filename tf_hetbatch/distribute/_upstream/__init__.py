@@ -2,7 +2,7 @@
 
 One module per upstream topic (`versions`, `autograph`, `collectives`, `keras_trainer`,
 `keras_callers`, `keras_losses`, `metrics`, `tf_data`, `iterators`, `coordination`,
-`ps_coordinator`, `device_layout`, `determinism`, `xla`), each with its canary tests in
+`ps_coordinator`, `device_layout`, `clock`), each with its canary tests in
 `tests/test_upstream_<module>.py`, so an upstream change fails loudly there first. Each
 section names what it works around and the upstream issue.
 
