@@ -343,6 +343,99 @@ def test_sync_batch_normalization_is_refused_under_bounds(cpus):
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 
 
+class OutOfMemoryInUpdate(keras.optimizers.Adam):
+    """Adam whose update of the first Dense kernel on replica `replica`'s device runs out of
+    memory (a real allocation beyond the machine's memory) at step `at`: past the step's update
+    gate, where a GPU's optimizer update allocates its temporaries."""
+
+    def __init__(self, replica, at, kernel, **kwargs):
+        super().__init__(**kwargs)
+        self.replica, self.at, self.kernel = replica, at, kernel
+
+    def update_step(self, gradient, variable, learning_rate):
+        if f"CPU:{self.replica}" in str(variable.device) and variable.name.split(":")[0] in (
+                self.kernel, f"{self.kernel}/replica_{self.replica}"):
+            # Depends on the summed gradient: allocated after the step's all-reduce, not before.
+            too_big = tf.logical_and(tf.equal(self.iterations, self.at),
+                                     tf.reduce_all(tf.math.is_finite(gradient)))
+            length = tf.where(too_big, tf.constant(2**40, tf.int64), tf.constant(1, tf.int64))
+            gradient = gradient + 0.0 * tf.zeros(tf.reshape(length, [1]), gradient.dtype)[0]
+        return super().update_step(gradient, variable, learning_rate)
+
+
+def test_out_of_memory_after_the_update_gate_is_raised_not_run_again(cpus, caplog):
+    # Past the gate part of the update may be applied (here: the step count, and any variable
+    # updated before the kernel): running the step again would apply it twice.
+    x, y = regression_data(n=320)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes(SPLIT)
+    strategy.set_micro_batch_limits([None, 12, None])
+    with strategy.scope():
+        model = bounded_model()
+        kernel = model.layers[0].kernel.path  # the replicas' copies: "<path>/replica_1:0"
+        model.compile(optimizer=OutOfMemoryInUpdate(1, 2, kernel, learning_rate=1e-2),
+                      loss="mse")
+    with caplog.at_level("WARNING", logger="tf_hetbatch.distribute.out_of_memory"):
+        with pytest.raises(tf.errors.ResourceExhaustedError,
+                           match=r"^Replica 1 ran out of memory after its gradients were ready.*"
+                                 r"not run again.*Fix:.*OOM when allocating"):
+            model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert "ran out of memory" not in caplog.text  # no bound lowered, no step run again
+    assert strategy.micro_batch_limits == (None, 12, None)
+
+
+def batch_norm_model(seed=1):
+    """A model whose step changes state besides its weights: BatchNormalization's moving
+    statistics and Dropout's seed; replica 1 runs out of memory above 5 samples, after both."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([
+        keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+        keras.layers.Dropout(0.3), OutOfMemoryAbove(replica=1, size=5), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    return model
+
+
+def test_a_step_run_again_is_the_step_that_never_failed(cpus, caplog):
+    # The failed attempts (18 samples, then 9, on replica 1) updated the moving statistics
+    # and advanced the dropout seeds on the replicas they reached; restored, the run equals
+    # one that had the lowered bound from the start, state and weights on every replica.
+    x, y = regression_data(n=320)
+    runs = []
+    for limits in ([None, None, None], [None, 4, None]):
+        strategy = hb.HeteroMirroredStrategy(cpus[:3])
+        strategy.set_batch_sizes(SPLIT)
+        strategy.set_micro_batch_limits(limits)
+        with strategy.scope():
+            model = batch_norm_model()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tf_hetbatch.distribute.out_of_memory"):
+            hist = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        runs.append((strategy, model, hist, caplog.text.count("ran out of memory")))
+    (failed, model, hist, lines), (clean, ref, ref_hist, ref_lines) = runs
+    assert (lines, ref_lines) == (2, 0) and failed.micro_batch_limits == (None, 4, None)
+    assert model.layers[1].moving_mean is not None
+    for mine, theirs in zip(model.variables, ref.variables):
+        for a, b in zip(failed.experimental_local_results(mine),
+                        clean.experimental_local_results(theirs)):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7,
+                                       err_msg=mine.path)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=1e-6)
+
+
+def test_state_variables_are_the_trainable_layers_non_trainable_ones():
+    from tf_hetbatch.distribute import out_of_memory
+
+    model = batch_norm_model()
+    frozen = keras.layers.BatchNormalization()
+    outer = keras.Sequential([model, frozen])
+    outer.build((None, 8))
+    frozen.trainable = False
+    names = [v.path for v in out_of_memory.state_variables(outer)]
+    bn, dropout = model.layers[1], model.layers[2]
+    assert names == [bn.moving_mean.path, bn.moving_variance.path,
+                     dropout.seed_generator.state.path]
+
+
 def test_the_replica_of_an_out_of_memory_error_is_read_from_its_device(cpus):
     from tf_hetbatch.distribute import out_of_memory
 

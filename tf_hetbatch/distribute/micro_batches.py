@@ -77,6 +77,7 @@ class Limits:
             self.variable = tf.Variable(tf.zeros([num_replicas], tf.int64), trainable=False,
                                         name="hetbatch_micro_batch_limits")
         self.failures = out_of_memory.FailureFlags(num_replicas, device)
+        self.gate = out_of_memory.UpdateGate(device)
 
     @property
     def values(self) -> Optional[_core.Limits]:
@@ -166,6 +167,7 @@ class StepPlan:
 
     limits: tf.Tensor             # int64 [K], 0: no bound
     sliced: List[bool]            # per leaf of (args, kwargs): a per-replica batch (sliced)
+    gate: Any = None              # the step's `out_of_memory.UpdateGate`, closed at its start
     shares_of: Optional[Callable] = None  # replica context: a micro-batch's data -> shares
     data_of: Optional[Callable] = None    # (args) -> the step's data
 
@@ -187,9 +189,11 @@ def plan_step(strategy, args, kwargs, sync_batch_norm: bool) -> StepPlan:
             "bounds (DynamicBatching(max_sizes=...)), use plain BatchNormalization, or lift "
             "the bounds (strategy.set_micro_batch_limits(None)).")
     limits = strategy._micro_batches.variable.read_value()
+    gate = strategy._micro_batches.gate
+    gate.close()
     leaves = tf.nest.flatten((tuple(args), dict(kwargs or {})))
     sliced = [isinstance(v, tf.distribute.DistributedValues) for v in leaves]
-    return StepPlan(limits, sliced)
+    return StepPlan(limits, sliced, gate)
 
 
 def _counts(sizes, limits):

@@ -3,36 +3,53 @@
 Once a strategy has micro-batch limits (`HeteroMixin.set_micro_batch_limits`, even all None),
 Keras's `fit` runs each training step (`steps_per_execution` 1) through `StepGuard`: the batch
 is taken from the iterator first, so a step that fails with `tf.errors.ResourceExhaustedError`
-can be run again on the same batch. Such a step applied nothing: the update waits for every
-micro-batch's gradients and the all-reduce after them (`micro_batches`, `updates`); what it
-changed before failing (the metric variables of its first micro-batches, the optimizer's
-step count, the strategy's count of steps trained) is restored from a copy taken before the
-step. The replica that failed is read from the error (the device TensorFlow names in its "OOM
-when allocating ... on <device>" message); its bound becomes half the micro-batch it failed
-on (`core.micro_batches.lowered_limit`), the strategy logs one line naming the replica and its
-new bound, and the step is run again, until it fits or a micro-batch of one sample does not
-(then the error is raised, as without the guard).
+can be run again on the same batch. The replica that failed is read from the error (the device
+TensorFlow names in its "OOM when allocating ... on <device>" message); its bound becomes half
+the micro-batch it failed on (`core.micro_batches.lowered_limit`), the strategy logs one line
+naming the replica and its new bound, and the step is run again, until it fits or a
+micro-batch of one sample does not (then the error is raised, as without the guard).
+
+**Only a step that failed before its update gate runs again.** The gate (`UpdateGate`) is the
+point where every local replica's micro-batches are done and the step's one all-reduce may
+start (`updates.sum_across_replicas`); the step records it in a host variable, closed at the
+step's start. Before the gate the step applied nothing: the update waits for the all-reduce.
+What it changed (the metric variables, the optimizer's step count, the strategy's count of
+steps trained, and each trainable layer's non-trainable variables: BatchNormalization's
+moving statistics, the dropout seeds) is restored from a copy taken before the step, so the
+run is the one that never failed. After the gate the all-reduce packs the gradients (on a GPU
+its concatenation, output and split take 2-3x their bytes) and the optimizer updates the
+variables one by one: a failure there may have applied part of the update, on some replicas,
+and may have aborted the collective for good. Such a step is never run again (it would apply
+the applied part twice, and the replicas' copies would drift): its error is raised, naming the
+replica and the fix (free that memory: a lower micro-batch bound does not shrink it). The
+gate's cost: one assign of a host boolean per guarded step.
 
 Several workers: the other workers' replicas are waiting in the step's all-reduce when one
-worker's replica fails. The failing worker joins that all-reduce with a stand-in of the same
-values (`FailureFlags.join`: zeros of the same dtypes and shapes, so the collective's instance
-keys, derived from them, are the same), whose last entry carries, per replica, the bound the
-failure asks for (0: none failed; -1: nothing can help). Every worker's step applies its
-update only where that entry is all zeros (as a LossScaleOptimizer applies only finite
-gradients) and keeps it in `FailureFlags.variable`; each worker's guard reads it after the
-step, restores what the step changed, lowers the same bounds and runs the same batch again.
-So no worker applies a step another could not finish, and they all re-run it together. This
-covers Keras's own `train_step` (its one all-reduce carries the gradients and the metrics);
-a step with another collective (a guide-style `train_step`, whose logs take a second
-all-reduce) cannot be stood in for: its out-of-memory error ends the run as before.
+worker's replica fails before its gate. The failing worker joins that all-reduce with a
+stand-in of the same values (`FailureFlags.join`: zeros of the same dtypes and shapes, so the
+collective's instance keys, derived from them, are the same), whose last entry carries, per
+replica, the bound the failure asks for (0: none failed; -1: nothing can help). Every
+worker's step applies its update only where that entry is all zeros (as a LossScaleOptimizer
+applies only finite gradients) and keeps it in `FailureFlags.variable`; each worker's guard
+reads it after the step, restores what the step changed, lowers the same bounds and runs the
+same batch again. So no worker applies a step another could not finish, and they all re-run
+it together. A failure after the gate ends the run on that worker (the launcher stops the
+others). This covers Keras's own `train_step` (its one all-reduce carries the gradients and
+the metrics); a step with another collective (a guide-style `train_step`, whose logs take a
+second all-reduce) cannot be stood in for: its out-of-memory error ends the run as before.
 
-The cost: the batch taken eagerly and the metric variables copied, about 0.6-0.8 ms a step
-(one host, 3 logical CPUs, a small dense model: 2.5-3.2 ms a step without limits, 3.2-3.6
-with limits all None, 2.8-3.0 with limits but no guard); across workers also one read of the
-flags after each step (the loop waits for the step there).
+The cost: the batch taken eagerly and the metric and state variables copied, about 0.6-0.8 ms
+a step (one host, 3 logical CPUs, a small dense model: 2.5-3.2 ms a step without limits,
+3.2-3.6 with limits all None, 2.8-3.0 with limits but no guard); across workers also one read
+of the flags after each step (the loop waits for the step there).
 
-On a GPU this is where TensorFlow reports a full device. On CPUs the same path is exercised by
-tests that allocate beyond the machine's memory above a chosen micro-batch size.
+On a GPU this is where TensorFlow reports a full device. TensorFlow's GPU allocator (BFC)
+waits up to 10 s for memory to be freed before it fails an allocation (`kMaxMillisToWait` in
+its `AllocateRawInternalWithRetry`; not settable from Python) and logs its memory map, so each
+step that runs out of memory costs at least 10 s before it can run again. On CPUs the same
+path is exercised by tests that allocate beyond the machine's memory above a chosen
+micro-batch size (the system allocator, `TF_ONEDNN_USE_SYSTEM_ALLOCATOR`, fails at once), and
+after the gate in an optimizer's update.
 
 With `steps_per_execution` > 1 no step is guarded: a failed execution has applied its
 earlier steps.
@@ -83,6 +100,31 @@ def micro_batch_size(share: int, limit: Optional[int]) -> int:
         return int(share)
     count = max(-(-int(share) // int(limit)), 1)
     return -(-int(share) // count)
+
+
+class UpdateGate:
+    """Whether the running step got past the point after which it cannot run again: every
+    local replica's micro-batches done, the step's one all-reduce about to start (module docs).
+
+    Args:
+        device: the host device of its variable.
+    """
+
+    def __init__(self, device: str):
+        with tf.init_scope(), tf.device(device):
+            self.variable = tf.Variable(False, trainable=False, name="hetbatch_update_gate")
+
+    def close(self):
+        """At the step's start (cross-replica context)."""
+        return self.variable.assign(False)
+
+    def open(self):
+        """Once every local replica's values for the all-reduce are there (cross-replica)."""
+        return self.variable.assign(True)
+
+    def passed(self) -> bool:
+        """Eager, after a step failed: whether it failed past the gate."""
+        return bool(self.variable.numpy())
 
 
 # Entries of the flags: per replica 0 (it fitted), the bound its failure asks for, or _HOPELESS.
@@ -184,7 +226,7 @@ class StepGuard:
 
     def __call__(self, run_step: Callable, data=None):
         """Runs `run_step()` (the step on `data`, its distributed batch) until it fits."""
-        variables = list(self._model.metrics_variables)
+        variables = list(self._model.metrics_variables) + state_variables(self._model)
         optimizer = getattr(self._model, "optimizer", None)
         if optimizer is not None:
             # Its step count is advanced with no dependency on the data, so also by a step
@@ -196,6 +238,8 @@ class StepGuard:
             try:
                 outputs = run_step()
             except tf.errors.ResourceExhaustedError as error:
+                if self._strategy._micro_batches.gate.passed():
+                    raise _after_gate(self._strategy, error) from error
                 asked = self._asked(error, data)
                 if asked is None:
                     raise
@@ -266,6 +310,48 @@ class StepGuard:
                     "Replica %d ran out of memory in a training step (nothing was applied): "
                     "its micro-batch bound is now %d samples, and the step runs again.",
                     replica, int(bound))
+
+
+def _after_gate(strategy, error) -> tf.errors.ResourceExhaustedError:
+    """The error of a step that ran out of memory past its update gate (module docs)."""
+    replica = replica_of_error(strategy, error)
+    who = "A replica" if replica is None else f"Replica {replica}"
+    return tf.errors.ResourceExhaustedError(error.node_def, error.op, (
+        f"{who} ran out of memory after its gradients were ready, in the step's all-reduce or "
+        "the optimizer's update: part of the update may be applied, so the step is not run "
+        "again, and a lower micro-batch bound would not help (that memory does not grow with "
+        "the batch). Fix: free that much memory on the device (no other process on it, a "
+        "smaller model or optimizer state, or micro-batch bounds from "
+        "hb.probe_micro_batch_limits, which leave room for the all-reduce), then resume from "
+        "the last checkpoint. TensorFlow's error: " + _oom_line(error)))
+
+
+def _oom_line(error) -> str:
+    """The line of `error`'s message that says what did not fit (else its first line)."""
+    lines = [line.strip() for line in (error.message or "").splitlines() if line.strip()]
+    return next((line for line in lines if _DEVICE.search(line)), lines[0] if lines else "")
+
+
+def state_variables(model) -> list:
+    """The variables a training step of `model` may change besides its trainable weights,
+    the optimizer's and the metrics': each trainable layer's non-trainable variables
+    (BatchNormalization's moving statistics, the seeds of dropout and other random layers). A
+    frozen layer (`trainable=False`) changes none of its variables."""
+    found, seen = [], set()
+
+    def visit(layer):
+        if not layer.trainable:
+            return
+        children = getattr(layer, "layers", None)
+        for variable in ([] if children else layer.non_trainable_variables):
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                found.append(variable)
+        for child in children or ():
+            visit(child)
+
+    visit(model)
+    return found
 
 
 def _flags_of(strategy, bounds):

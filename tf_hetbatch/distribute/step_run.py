@@ -89,6 +89,7 @@ class StepRunner:
                 sync_batch_norm=sync_batch_norm,
                 failure_flags=None if plan is None else strategy._micro_batches.flags_of_step(
                     carry_logs, model),
+                update_gate=None if plan is None else plan.gate,
             )
             steps.append(step)
             with weighting.replica_step(step):

@@ -98,14 +98,16 @@ def _apply_summed(optimizer, original_apply, summed, trainable_variables):
         return original_apply(summed, trainable_variables)
 
 
-def _sum_with_timing(step, values, after_every_local_replica=False, flags=None):
+def _sum_with_timing(step, values, gate=None, flags=None):
     """Replica context: `values` summed across replicas; the step's first sum also carries the
-    replica's timing table (`timing`), records it and stamps the release. With `flags`
-    (`out_of_memory.StepFlags`) the sum also carries them, and `step.apply_if` says whether
-    the step may apply its update (a step another worker could not finish records no time)."""
+    replica's timing table (`timing`), records it and stamps the release. With `gate` (an
+    `out_of_memory.UpdateGate`) the sum starts once every local replica's values are there
+    and the gate records it; with `flags` (`out_of_memory.StepFlags`) the sum also carries
+    them, and `step.apply_if` says whether the step may apply its update (a step another
+    worker could not finish records no time)."""
     row, step.timing_row = step.timing_row, None
     extra = ([] if row is None else [row]) + ([] if flags is None else [flags.none()])
-    summed = sum_across_replicas(values + extra, after_every_local_replica)
+    summed = sum_across_replicas(values + extra, gate=gate)
     if flags is not None:
         step.apply_if = flags.received(summed.pop(), values + extra)
     if row is None:
@@ -132,7 +134,8 @@ def finish_step(step: ReplicaStep, model, outputs):
     locals_ = [tf.identity(v) for v in metric_values] if metric_values is not None else []
     dense = [g for g in grads if g is not None]
     flags = step.failure_flags if metric_values is not None else None  # one all-reduce only
-    summed = _sum_with_timing(step, dense + locals_, step.micro_batched, flags)
+    gate = step.update_gate if step.micro_batched else None
+    summed = _sum_with_timing(step, dense + locals_, gate, flags)
     summed_grads, sums = summed[:len(dense)], summed[len(dense):]
     summed_grads = iter(summed_grads)
     summed_grads = [None if g is None else next(summed_grads) for g in grads]
@@ -164,19 +167,21 @@ def _apply_if(condition, apply_summed, grads):
     tf.distribute.get_replica_context().merge_call(cross_replica, args=(condition, grads))
 
 
-def sum_across_replicas(values, after_every_local_replica: bool = False):
+def sum_across_replicas(values, after_every_local_replica: bool = False, gate=None):
     """Replica context: `values` summed across all replicas, one all-reduce per dtype.
 
     With `after_every_local_replica` the all-reduce starts only once every replica of this
     process has its values: a step that fails before (a micro-batch out of memory) then leaves
     no collective in flight, which TensorFlow would abort for good ("Collective ops is aborted
-    by: group is cancelled"), and can run again (`out_of_memory`).
+    by: group is cancelled"), and can run again (`out_of_memory`). A `gate`
+    (`out_of_memory.UpdateGate`, implies `after_every_local_replica`) records that point
+    before the all-reduce starts: a failure after it cannot be run again.
     """
     if not values:
         return []
     ctx = tf.distribute.get_replica_context()
-    if after_every_local_replica:
-        values = _after_every_local_replica(ctx, values)
+    if after_every_local_replica or gate is not None:
+        values = _after_every_local_replica(ctx, values, gate)
     by_dtype = {}
     for i, v in enumerate(values):
         by_dtype.setdefault(v.dtype, []).append(i)
@@ -217,12 +222,16 @@ def _all_plain(strategy, values):
     return not any(isinstance(v, tf.distribute.DistributedValues) for v in values)
 
 
-def _after_every_local_replica(ctx, values):
-    """Replica context: `values`, available once every local replica's values are."""
+def _after_every_local_replica(ctx, values, gate=None):
+    """Replica context: `values`, available once every local replica's values are (and `gate`
+    has recorded it)."""
     def ready_token(strategy, per_replica):
         local = [t for v in per_replica for t in strategy.experimental_local_results(v)]
         with tf.control_dependencies(local):
-            return tf.constant(True)
+            if gate is None:
+                return tf.constant(True)
+            with tf.control_dependencies([gate.open()]):
+                return tf.constant(True)
 
     token = ctx.merge_call(ready_token, args=(values,))
     with tf.control_dependencies([token]):

@@ -131,6 +131,9 @@ class ReplicaStep:
     # all-reduce carries (`out_of_memory.FailureFlags`), and whether its update may apply.
     failure_flags: Any = None
     apply_if: Optional[tf.Tensor] = None
+    # With micro-batch limits: the gate past which a failed step cannot run again
+    # (`out_of_memory.UpdateGate`), opened before the step's one all-reduce.
+    update_gate: Any = None
 
     def share(self, mode):
         if self.shares is None:
