@@ -125,3 +125,109 @@ def test_device_capability_validates_and_is_frozen():
                 dict(kind="CPU", peak_flops=float("nan"))]:
         with pytest.raises(ValueError, match="Received"):
             DeviceCapability("x", **bad)
+
+
+def test_no_table_key_is_shadowed_by_an_earlier_one():
+    # The first row whose key occurs as whole words wins: each key, read as a device name,
+    # must find its own row ("H100 PCIE" not "H100", "RTX 5070 TI" not "RTX 5070", "H20" does
+    # not take "H200").
+    from tf_hetbatch.core.devices import _GPU_TABLE, _table_row
+    keys = [row.key for row in _GPU_TABLE]
+    assert len(keys) == len(set(keys))
+    for row in _GPU_TABLE:
+        for name in (row.key, f"NVIDIA {row.key.title()}", f"NVIDIA GeForce {row.key} 16GB"):
+            assert _table_row(name) is row, (name, _table_row(name))
+
+
+@pytest.mark.parametrize("name, cc, key", [
+    ("NVIDIA B200", (10, 0), "B200"), ("NVIDIA H800", (9, 0), "H800"),
+    ("NVIDIA H800 PCIe", (9, 0), "H800 PCIE"), ("NVIDIA H20", (9, 0), "H20"),
+    ("NVIDIA H200", (9, 0), "H200"), ("NVIDIA GH200 480GB", (9, 0), "GH200"),
+    ("NVIDIA H100 NVL", (9, 0), "H100 NVL"), ("NVIDIA L40S", (8, 9), "L40S"),
+    ("NVIDIA GeForce RTX 5090", (12, 0), "RTX 5090"),
+    ("NVIDIA GeForce RTX 5080", (12, 0), "RTX 5080"),
+    ("NVIDIA GeForce RTX 5070 Ti", (12, 0), "RTX 5070 TI"),
+    ("NVIDIA GeForce RTX 5070", (12, 0), "RTX 5070"),
+])
+def test_newer_gpus_come_from_their_own_row(name, cc, key):
+    cap = gpu_capability(name, cc)
+    assert cap.details["table"] == key and cap.details["mig"] is None
+
+
+def test_newer_gpus_are_ordered_by_generation_and_tier():
+    peak = {n: gpu_capability(n, cc, tf32=tf32).peak_flops for n, cc, tf32 in [
+        ("NVIDIA H20", (9, 0), True), ("NVIDIA H100 80GB HBM3", (9, 0), True),
+        ("NVIDIA B200", (10, 0), True), ("NVIDIA GeForce RTX 5070", (12, 0), False),
+        ("NVIDIA GeForce RTX 5070 Ti", (12, 0), False), ("NVIDIA GeForce RTX 5080", (12, 0), False),
+        ("NVIDIA GeForce RTX 5090", (12, 0), False), ("NVIDIA GeForce RTX 4090", (8, 9), False)]}
+    assert peak["NVIDIA H20"] < peak["NVIDIA H100 80GB HBM3"] < peak["NVIDIA B200"]
+    assert (peak["NVIDIA GeForce RTX 5070"] < peak["NVIDIA GeForce RTX 5070 Ti"]
+            < peak["NVIDIA GeForce RTX 5080"] < peak["NVIDIA GeForce RTX 4090"]
+            < peak["NVIDIA GeForce RTX 5090"])
+    # The H800 is the H100's compute, the H20 a fraction of it.
+    assert gpu_capability("NVIDIA H800", (9, 0)).peak_flops == \
+        gpu_capability("NVIDIA H100 80GB HBM3", (9, 0)).peak_flops
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+@pytest.mark.parametrize("whole, cc, total", [
+    ("NVIDIA A100-SXM4-40GB", (8, 0), 7), ("NVIDIA H100 80GB HBM3", (9, 0), 7),
+    ("NVIDIA H200", (9, 0), 7), ("NVIDIA A30", (8, 0), 4), ("NVIDIA B200", (10, 0), 7),
+])
+def test_a_mig_slice_gets_its_share_of_the_whole_gpu(whole, cc, total, tf32):
+    full = gpu_capability(whole, cc, tf32=tf32).peak_flops
+    for g in range(1, total + 1):
+        cap = gpu_capability(f"{whole} MIG {g}g.{5 * g}gb", cc, tf32=tf32)
+        assert cap.peak_flops == pytest.approx(full * g / total)
+        assert cap.details["mig_share"] == pytest.approx(g / total)
+        assert cap.details["table"] == gpu_capability(whole, cc).details["table"]
+    # The slices of one partition (A100: 4g + 2g + 1g) add up to the whole GPU.
+    parts = {7: ("4g.20gb", "2g.10gb", "1g.5gb"), 4: ("2g.12gb", "1g.6gb", "1g.6gb")}[total]
+    assert sum(gpu_capability(f"{whole} MIG {p}", cc, tf32=tf32).peak_flops
+               for p in parts) == pytest.approx(full)
+
+
+@pytest.mark.parametrize("name, share", [
+    ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", 1 / 7),          # CUDA / TensorFlow device_name
+    ("A100-SXM4-40GB MIG 3g.20gb", 3 / 7),                # older drivers: no "NVIDIA"
+    ("NVIDIA A100-SXM4-80GB MIG 2g.20gb", 2 / 7),
+    ("A100-SXM4-40GB MIG 4c.7g.40gb", 4 / 7),             # a compute instance: c of the GI's g
+    ("NVIDIA A100-SXM4-40GB MIG 1c.3g.20gb", 1 / 7),
+    ("NVIDIA H100 80GB HBM3 MIG 1g.10gb+me", 1 / 7),      # media-extension profile
+    ("NVIDIA H100 80GB HBM3 mig 7g.80gb", 1.0),           # the whole GPU as one instance
+])
+def test_mig_device_names_in_their_common_forms(name, share):
+    whole = gpu_capability(name.split(" MIG ")[0].split(" mig ")[0], (8, 0)).peak_flops
+    cap = gpu_capability(name, (8, 0))
+    assert cap.details["mig_share"] == pytest.approx(share)
+    assert cap.peak_flops == pytest.approx(whole * share)
+
+
+def test_a_mig_slice_of_an_unknown_gpu_scales_the_fallback_by_seven_slices():
+    whole = gpu_capability("Mystery GPU", (9, 0)).peak_flops
+    assert gpu_capability("MIG 3g.20gb", (9, 0)).peak_flops == pytest.approx(whole * 3 / 7)
+    with pytest.raises(ValueError, match="compute_capability"):
+        gpu_capability("MIG 3g.20gb", None)
+
+
+@pytest.mark.parametrize("name, words", [
+    ("NVIDIA A30 MIG 7g.24gb", ["'MIG 7g.24gb'", "4 compute slices", "Fix"]),
+    ("NVIDIA A100-SXM4-40GB MIG 5c.3g.20gb", ["5 compute slice(s)", "3-slice"]),
+    ("NVIDIA A100-SXM4-40GB MIG", ["names a MIG device", "'1g.5gb'"]),
+])
+def test_impossible_or_incomplete_mig_names_are_refused(name, words):
+    with pytest.raises(ValueError) as info:
+        gpu_capability(name, (8, 0))
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_tf32_raises_the_peak_of_the_new_data_center_gpus_and_of_their_mig_slices():
+    for name, cc in [("NVIDIA B200", (10, 0)), ("NVIDIA H20", (9, 0)), ("NVIDIA H800", (9, 0)),
+                     ("NVIDIA L40S", (8, 9)), ("NVIDIA H200 MIG 2g.35gb", (9, 0))]:
+        on, off = gpu_capability(name, cc, tf32=True), gpu_capability(name, cc, tf32=False)
+        assert (on.details["tf32"], off.details["tf32"]) == (True, False)
+        assert on.peak_flops > off.peak_flops
+    # GeForce Blackwell: TF32 tensor cores run at the FP32 rate.
+    assert gpu_capability("NVIDIA GeForce RTX 5090", (12, 0), tf32=True).peak_flops == \
+        gpu_capability("NVIDIA GeForce RTX 5090", (12, 0), tf32=False).peak_flops

@@ -48,7 +48,8 @@ sock.bind((host, int(port)))
 sock.listen()
 stopping = []
 signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
-keys = ["TF_HETBATCH_RESTART", "TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS", "EXTRA"]
+keys = ["TF_HETBATCH_RESTART", "TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS", "EXTRA",
+        "CUDA_VISIBLE_DEVICES"]
 base = os.path.join(out, f"{role}{index}-{os.getpid()}")
 
 def write(path, data):
@@ -87,7 +88,8 @@ out, pattern, count, linger, code = sys.argv[1:6]
 cfg = json.loads(os.environ["TF_CONFIG"])
 with open(os.path.join(out, f"chief-{os.getpid()}.json"), "w") as f:
     json.dump({"cfg": cfg, "pid": os.getpid(),
-               "env": {k: os.environ.get(k) for k in ["TF_HETBATCH_RESTART", "EXTRA"]}}, f)
+               "env": {k: os.environ.get(k)
+                       for k in ["TF_HETBATCH_RESTART", "EXTRA", "CUDA_VISIBLE_DEVICES"]}}, f)
 print("chief up", flush=True)
 deadline = time.monotonic() + 20
 while len(glob.glob(os.path.join(out, pattern))) < int(count):
@@ -153,8 +155,10 @@ def assert_all_gone(recs):
 
 
 @pytest.mark.timeout(60)
-def test_every_task_gets_its_role_and_the_same_cluster(tmp_path):
-    result, out, err, _, recs = ps_run(tmp_path, 2, num_ps=2, threads=1, env={"EXTRA": "x"})
+def test_every_task_gets_its_role_and_the_same_cluster(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4")  # The launcher's GPUs: worker 0 gets "4".
+    result, out, err, _, recs = ps_run(tmp_path, 2, num_ps=2, threads=1, env={"EXTRA": "x"},
+                                       gpus="1|")
     assert result.ok and result.returncode == 0, (result.message, out, err)
     assert sorted(recs) == ["chief", "ps0", "ps1", "worker0", "worker1"]
     cluster = recs["chief"][0]["cfg"]["cluster"]
@@ -167,6 +171,9 @@ def test_every_task_gets_its_role_and_the_same_cluster(tmp_path):
         index = 0 if role == "chief" else int(name[len(role):])
         assert rec["cfg"] == {"cluster": cluster, "task": {"type": role, "index": index}}
         assert rec["env"]["TF_HETBATCH_RESTART"] == "0" and rec["env"]["EXTRA"] == "x"
+        # GPUs go to the worker tasks; chief and ps get none.
+        gpus = "4" if name == "worker0" else ""
+        assert rec["env"]["CUDA_VISIBLE_DEVICES"] == gpus, (name, rec["env"])
         if role != "chief":
             # threads=1, but a ParameterServerStrategy worker needs 2 inter-op threads.
             interop = "2" if role == "worker" else "1"

@@ -12,9 +12,10 @@ Assumptions (documented, all overridable by building a `DeviceCapability` yourse
   capped by a cgroup CPU quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us / cpu.cfs_period_us`),
   both at the cgroup root and in the process's own cgroup (/proc/self/cgroup).
   Hyper-threads count as cores, as the OS and TensorFlow see them.
-- GPU peak = the vendor's dense FP32 number, or the TF32 tensor-core number on Ampere and
-  newer when TF32 is enabled (TensorFlow's default), from the table below; unknown GPUs
-  fall back to a per-compute-capability estimate.
+- GPU peak = the vendor's dense FP32 number, or the dense TF32 tensor-core number on Ampere
+  and newer when TF32 is enabled (TensorFlow's default), from the table below; unknown GPUs
+  fall back to a per-compute-capability estimate. A MIG slice gets its share of the whole
+  GPU's peak: its compute slices over the GPU's (7 on A100/H100/H200/B200, 4 on A30).
 
 No TensorFlow import here: pass `tf.config.experimental.get_device_details(device)` values in.
 """
@@ -25,7 +26,7 @@ import dataclasses
 import logging
 import os
 import re
-from typing import Callable, Mapping, Optional, Tuple
+from typing import Callable, Mapping, NamedTuple, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -199,66 +200,161 @@ def cpu_capability(cpuinfo: Optional[str] = None, cgroup_root: str = "/sys/fs/cg
     return DeviceCapability(name, "CPU", usable * ghz * 1e9 * per_cycle, details)
 
 
-# Dense FP32 peak and TF32 tensor peak (dense, no sparsity) in TFLOP/s, vendor numbers.
-# Matched by the first key contained in the upper-cased device name (order matters).
+class _GpuRow(NamedTuple):
+    """One row of the GPU table; the peaks are the vendor's, in TFLOP/s."""
+
+    key: str  # Whole words of the device name, upper case, "-" read as a space.
+    fp32: float  # Dense FP32 (CUDA cores).
+    tf32: float  # TF32 tensor cores, dense (no sparsity); = fp32 where TF32 is no faster.
+    mig_slices: int = 7  # Compute slices of the whole GPU under MIG (A30: 4).
+
+
+# A row matches when its key occurs as whole words in the normalized device name; the first
+# match wins, so a longer key ("H100 PCIE", "RTX 5070 TI") comes before the key it contains
+# ("H100", "RTX 5070"); tests/test_devices.py checks that no key is shadowed by an earlier one.
+# Sparsity-doubled vendor figures are halved to the dense rate.
 _GPU_TABLE = (
-    ("H200", 67.0, 494.7), ("H100 PCIE", 51.2, 378.0), ("H100", 66.9, 494.7),
-    ("GH200", 67.0, 494.7), ("L40S", 91.6, 183.0), ("L40", 90.5, 90.5), ("L4", 30.3, 60.0),
-    ("A100", 19.5, 156.0), ("A800", 19.5, 156.0), ("A10G", 31.2, 35.0), ("A10", 31.2, 62.5),
-    ("A30", 10.3, 82.0), ("A40", 37.4, 74.8), ("A16", 4.5, 18.0), ("A2", 4.5, 9.0),
-    ("RTX 6000 ADA", 91.1, 91.1), ("RTX A6000", 38.7, 38.7), ("RTX A5000", 27.8, 27.8),
-    ("RTX 4090", 82.6, 82.6), ("RTX 4080", 48.7, 48.7), ("RTX 4070 TI", 40.1, 40.1),
-    ("RTX 4070", 29.1, 29.1), ("RTX 4060 TI", 22.1, 22.1), ("RTX 4060", 15.1, 15.1),
-    ("RTX 3090 TI", 40.0, 40.0), ("RTX 3090", 35.6, 35.6), ("RTX 3080 TI", 34.1, 34.1),
-    ("RTX 3080", 29.8, 29.8), ("RTX 3070", 20.3, 20.3), ("RTX 3060 TI", 16.2, 16.2),
-    ("RTX 3060", 12.7, 12.7), ("RTX 2080 TI", 13.4, 13.4), ("RTX 2080", 10.1, 10.1),
-    ("RTX 2070", 7.5, 7.5), ("RTX 2060", 6.5, 6.5), ("TITAN RTX", 16.3, 16.3),
-    ("TITAN V", 14.9, 14.9), ("V100S", 16.4, 16.4), ("V100", 15.7, 15.7), ("T4", 8.1, 8.1),
-    ("P100", 9.3, 9.3), ("P40", 11.8, 11.8), ("P4", 5.5, 5.5), ("K80", 4.1, 4.1),
-    ("GTX 1080 TI", 11.3, 11.3), ("GTX 1080", 8.9, 8.9), ("GTX 1070", 6.5, 6.5),
+    # NVIDIA HGX B200 datasheet, per GPU: FP32 75 TFLOPS, TF32 Tensor Core 2.2 PFLOPS (sparse).
+    _GpuRow("B200", 75.0, 1100.0),
+    # NVIDIA H200 datasheet: SXM FP32 67, TF32 989 (sparse); NVL FP32 60, TF32 835 (sparse).
+    _GpuRow("H200 NVL", 60.0, 417.5), _GpuRow("H200", 67.0, 494.7),
+    _GpuRow("GH200", 67.0, 494.7),
+    # NVIDIA H100 datasheet: SXM FP32 67, TF32 989; PCIe 51, 756; NVL 60, 835 (TF32 sparse).
+    _GpuRow("H100 PCIE", 51.2, 378.0), _GpuRow("H100 NVL", 60.0, 417.5),
+    _GpuRow("H100", 66.9, 494.7),
+    # NVIDIA H800 datasheet: the H100's compute (SXM FP32 67, TF32 989; PCIe 51, 756 sparse).
+    _GpuRow("H800 PCIE", 51.2, 378.0), _GpuRow("H800", 66.9, 494.7),
+    # NVIDIA HGX H20 product brief: FP32 44 TFLOPS, TF32 Tensor Core 74 TFLOPS (dense).
+    _GpuRow("H20", 44.0, 74.0),
+    # NVIDIA L40S / L40 / L4 datasheets: FP32 91.6 / 90.5 / 30.3; TF32 366 / 181 / 120 (sparse).
+    _GpuRow("L40S", 91.6, 183.0), _GpuRow("L40", 90.5, 90.5), _GpuRow("L4", 30.3, 60.0),
+    _GpuRow("A100", 19.5, 156.0), _GpuRow("A800", 19.5, 156.0), _GpuRow("A10G", 31.2, 35.0),
+    _GpuRow("A10", 31.2, 62.5), _GpuRow("A30", 10.3, 82.0, mig_slices=4),
+    _GpuRow("A40", 37.4, 74.8), _GpuRow("A16", 4.5, 18.0), _GpuRow("A2", 4.5, 9.0),
+    _GpuRow("RTX 6000 ADA", 91.1, 91.1), _GpuRow("RTX A6000", 38.7, 38.7),
+    _GpuRow("RTX A5000", 27.8, 27.8),
+    # NVIDIA RTX Blackwell GPU Architecture whitepaper, appendix: peak FP32 (non-tensor) TFLOPS
+    # 104.8 / 56.3 / 43.9 / 30.9; GeForce TF32 tensor (dense) runs at that same rate.
+    _GpuRow("RTX 5090", 104.8, 104.8), _GpuRow("RTX 5080", 56.3, 56.3),
+    _GpuRow("RTX 5070 TI", 43.9, 43.9), _GpuRow("RTX 5070", 30.9, 30.9),
+    _GpuRow("RTX 4090", 82.6, 82.6), _GpuRow("RTX 4080", 48.7, 48.7),
+    _GpuRow("RTX 4070 TI", 40.1, 40.1), _GpuRow("RTX 4070", 29.1, 29.1),
+    _GpuRow("RTX 4060 TI", 22.1, 22.1), _GpuRow("RTX 4060", 15.1, 15.1),
+    _GpuRow("RTX 3090 TI", 40.0, 40.0), _GpuRow("RTX 3090", 35.6, 35.6),
+    _GpuRow("RTX 3080 TI", 34.1, 34.1), _GpuRow("RTX 3080", 29.8, 29.8),
+    _GpuRow("RTX 3070", 20.3, 20.3), _GpuRow("RTX 3060 TI", 16.2, 16.2),
+    _GpuRow("RTX 3060", 12.7, 12.7), _GpuRow("RTX 2080 TI", 13.4, 13.4),
+    _GpuRow("RTX 2080", 10.1, 10.1), _GpuRow("RTX 2070", 7.5, 7.5), _GpuRow("RTX 2060", 6.5, 6.5),
+    _GpuRow("TITAN RTX", 16.3, 16.3), _GpuRow("TITAN V", 14.9, 14.9),
+    _GpuRow("V100S", 16.4, 16.4), _GpuRow("V100", 15.7, 15.7), _GpuRow("T4", 8.1, 8.1),
+    _GpuRow("P100", 9.3, 9.3), _GpuRow("P40", 11.8, 11.8), _GpuRow("P4", 5.5, 5.5),
+    _GpuRow("K80", 4.1, 4.1), _GpuRow("GTX 1080 TI", 11.3, 11.3), _GpuRow("GTX 1080", 8.9, 8.9),
+    _GpuRow("GTX 1070", 6.5, 6.5),
 )
 
 # Fallback by compute capability major version: a modest mid-range card of that generation.
 _CC_FALLBACK = {3: 4.0, 5: 5.0, 6: 8.0, 7: 12.0, 8: 25.0, 9: 60.0, 10: 80.0, 12: 80.0}
 
+# Compute slices of a whole GPU when the device name names a MIG slice but no GPU in the table
+# (A100, A800, H100, H800, H20, H200, GH200 and B200 have 7; the A30 has 4).
+DEFAULT_MIG_SLICES = 7
+
+# A MIG device as CUDA (and so TensorFlow's `device_name`) and NVML name it: the GPU's name,
+# then "MIG", then the profile: "<g>g.<mem>gb" for a GPU instance with one compute instance,
+# "<c>c.<g>g.<mem>gb" for a compute instance of c of the g slices, optionally "+me" etc.
+# (NVIDIA MIG User Guide, "MIG Device Names"). E.g. "NVIDIA A100-SXM4-40GB MIG 1g.5gb",
+# "A100-SXM4-40GB MIG 4c.7g.40gb", "NVIDIA H100 80GB HBM3 MIG 1g.10gb+me", "MIG 3g.20gb".
+_MIG_PROFILE = re.compile(r"(?:^|\s)MIG\s+(?:(\d+)c\.)?(\d+)g\.(\d+)gb(\+[\w.]+)?(?=\s|$)",
+                          re.IGNORECASE)
+_MIG_WORD = re.compile(r"(?:^|\s)MIG(?:\s|$)", re.IGNORECASE)
+
+
+def _normalized(name: str) -> str:
+    return " ".join(str(name).upper().replace("-", " ").split())
+
+
+def _table_row(device_name: str) -> Optional[_GpuRow]:
+    """The first table row whose key occurs as whole words in the device name, or None."""
+    upper = _normalized(device_name)
+    for row in _GPU_TABLE:
+        if re.search(r"(^|\s)" + re.escape(row.key) + r"($|\s)", upper):
+            return row
+    return None
+
+
+def _mig_share(device_name: str, total: int) -> Tuple[Optional[str], float]:
+    """(MIG profile or None, the slice's share of the whole GPU's compute)."""
+    found = _MIG_PROFILE.search(device_name)
+    if found is None:
+        if _MIG_WORD.search(device_name):
+            raise ValueError(
+                f"`device_name` {device_name!r} names a MIG device but no profile such as "
+                "'1g.5gb' or '1c.3g.20gb' was found in it. Pass the name TensorFlow reports "
+                "(get_device_details(gpu)['device_name']), or build DeviceCapability(name, "
+                "'GPU', peak_flops=...) yourself.")
+        return None, 1.0
+    compute, instance = int(found.group(1) or found.group(2)), int(found.group(2))
+    if not 1 <= compute <= instance <= total:
+        raise ValueError(
+            f"`device_name` {device_name!r}: MIG profile {found.group(0).strip()!r} uses "
+            f"{compute} compute slice(s) of a {instance}-slice GPU instance, but the whole GPU "
+            f"has {total} compute slices. Fix: check the device name, or build "
+            "DeviceCapability(name, 'GPU', peak_flops=...) yourself.")
+    return found.group(0).strip(), compute / total
+
 
 def gpu_capability(device_name: str, compute_capability: Optional[Tuple[int, int]] = None,
                    tf32: bool = True) -> DeviceCapability:
-    """Nominal FP32 peak of a GPU, from its name, or its compute capability as a fallback.
+    """Nominal FP32 peak of a GPU or MIG slice, from its name, or its compute capability.
+
+    A MIG slice ("NVIDIA A100-SXM4-40GB MIG 3g.20gb", "... MIG 1c.3g.20gb") gets its share
+    of the whole GPU's peak: its compute slices (the ``c`` of ``c.g``, else the ``g``) over the
+    whole GPU's compute slices (7; the A30 has 4; 7 when the GPU is not in the table).
 
     Args:
         device_name: e.g. `get_device_details(gpu)["device_name"]`, "Tesla T4".
         compute_capability: e.g. (8, 0); used for the TF32 decision and the fallback.
-        tf32: whether TF32 is enabled (TensorFlow's default); on Ampere+ (cc >= 8.0) the
-            float32 matmul peak is then the TF32 tensor-core rate.
+        tf32: whether TensorFlow runs float32 matmuls in TF32
+            (`tf.config.experimental.tensor_float_32_execution_enabled()`, on by default); on
+            Ampere and newer (cc >= 8.0) the float32 matmul peak is then the TF32 tensor-core
+            rate (dense). Default True.
 
     Returns:
-        A `DeviceCapability` with kind "GPU".
+        A `DeviceCapability` with kind "GPU"; `details` names the table row, the MIG
+        profile and share (None and 1.0 for a whole GPU) and whether TF32 was used.
 
     Raises:
-        ValueError: if the GPU is unknown by name and no compute capability is given.
+        ValueError: the GPU is unknown by name and no compute capability is given, or the
+            name has a MIG profile that cannot be a slice of that GPU.
 
     Example:
         >>> gpu_capability("Tesla T4", (7, 5)).peak_flops
         8100000000000.0
+        >>> gpu_capability("NVIDIA A100-SXM4-40GB MIG 1g.5gb", (8, 0), tf32=False).peak_flops
+        2785714285714.2856
     """
-    upper = " ".join(str(device_name).upper().replace("-", " ").split())
     cc = tuple(int(v) for v in compute_capability) if compute_capability else None
-    for key, fp32, tensor32 in _GPU_TABLE:
-        if re.search(r"(^|\s)" + re.escape(key) + r"($|\s)", upper):
-            ampere_plus = cc[0] >= 8 if cc else tensor32 != fp32
-            use_tf32 = tf32 and ampere_plus
-            tflops = tensor32 if use_tf32 else fp32
-            return DeviceCapability(device_name, "GPU", tflops * 1e12, {
-                "table": key, "compute_capability": cc, "tf32": use_tf32})
+    whole_name = _MIG_PROFILE.sub(" ", str(device_name))
+    row = _table_row(whole_name)
+    profile, share = _mig_share(str(device_name), row.mig_slices if row else DEFAULT_MIG_SLICES)
+    if row is not None:
+        ampere_plus = cc[0] >= 8 if cc else row.tf32 != row.fp32
+        use_tf32 = bool(tf32 and ampere_plus)
+        tflops = row.tf32 if use_tf32 else row.fp32
+        return DeviceCapability(device_name, "GPU", tflops * share * 1e12, {
+            "table": row.key, "compute_capability": cc, "tf32": use_tf32, "mig": profile,
+            "mig_share": share})
     if cc is None:
         raise ValueError(
             f"`device_name` {device_name!r} is not in the GPU table and no "
             "`compute_capability` was given. Pass compute_capability=(major, minor), or build "
             "DeviceCapability(name, 'GPU', peak_flops=...) yourself.")
     major = max([m for m in _CC_FALLBACK if m <= cc[0]] or [min(_CC_FALLBACK)])
-    tflops = _CC_FALLBACK[major] * (2.0 if tf32 and cc[0] >= 8 else 1.0)
-    logger.info("GPU %r not in the table; estimating %.1f TFLOP/s from compute capability %s.",
-                device_name, tflops, cc)
+    tflops = _CC_FALLBACK[major] * (2.0 if tf32 and cc[0] >= 8 else 1.0) * share
+    logger.info("GPU %r not in the table; estimating %.1f TFLOP/s from compute capability %s%s.",
+                device_name, tflops, cc,
+                f" and its MIG share {share:.3g} (of {DEFAULT_MIG_SLICES} slices)" if profile
+                else "")
     return DeviceCapability(device_name, "GPU", tflops * 1e12, {
-        "table": None, "compute_capability": cc, "tf32": bool(tf32 and cc[0] >= 8)})
+        "table": None, "compute_capability": cc, "tf32": bool(tf32 and cc[0] >= 8),
+        "mig": profile, "mig_share": share})

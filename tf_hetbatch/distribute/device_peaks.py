@@ -8,19 +8,23 @@ their replica devices up here. The tables and the CPU arithmetic live in the pur
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import tensorflow as tf
 
 from tf_hetbatch.core import devices as _devices
 
-__all__ = ["device_peak_flops"]
+__all__ = ["device_peak_flops", "gpu_peak_flops"]
 
 
 def device_peak_flops(device: str) -> float:
     """Nominal peak FP32 FLOP/s of one local TensorFlow device, e.g. "/job:worker/.../GPU:1".
 
     CPU: `devices.cpu_capability()`; GPU: `tf.config.experimental.get_device_details` ->
-    `devices.gpu_capability`. Logical devices that share one physical device share its peak
-    equally (virtual GPUs are created in physical order, an equal number on each).
+    `gpu_peak_flops`, with TF32 as TensorFlow runs float32 matmuls now
+    (`tf.config.experimental.tensor_float_32_execution_enabled()`). Logical devices that
+    share one physical device share its peak equally (virtual GPUs are created in physical
+    order, an equal number on each).
 
     Args:
         device: a device string as in `strategy.extended.worker_devices`.
@@ -44,7 +48,25 @@ def device_peak_flops(device: str) -> float:
                          "GPU. Fix: use DynamicBatching(initial='probe') or explicit sizes.")
     per = max(1, logical // len(physical))
     gpu = physical[min(index // per, len(physical) - 1)]
-    details = tf.config.experimental.get_device_details(gpu)
-    capability = _devices.gpu_capability(details.get("device_name", gpu.name),
-                                         details.get("compute_capability"))
-    return capability.peak_flops / per
+    return gpu_peak_flops(tf.config.experimental.get_device_details(gpu), gpu.name,
+                          tf32=tf.config.experimental.tensor_float_32_execution_enabled(),
+                          shared=per)
+
+
+def gpu_peak_flops(details: Mapping[str, object], fallback_name: str, tf32: bool,
+                   shared: int = 1) -> float:
+    """Peak FLOP/s of one logical GPU, from TensorFlow's device details (no TensorFlow call).
+
+    Args:
+        details: `tf.config.experimental.get_device_details(gpu)`: "device_name" (may name a
+            MIG slice) and "compute_capability".
+        fallback_name: the name to use when `details` has no "device_name".
+        tf32: whether TensorFlow runs float32 matmuls in TF32.
+        shared: logical devices on this physical device (they share its peak). Default 1.
+
+    Returns:
+        `devices.gpu_capability(...).peak_flops / shared`.
+    """
+    capability = _devices.gpu_capability(str(details.get("device_name", fallback_name)),
+                                         details.get("compute_capability"), tf32=bool(tf32))
+    return capability.peak_flops / shared

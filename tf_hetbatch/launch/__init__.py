@@ -10,6 +10,11 @@ it, so the same script runs unchanged on a real cluster. Two kinds of cluster:
   decides the outcome; a ps failure is fatal; a worker that dies is only logged, since the
   coordinator moves its work to the other workers.
 
+Each worker task sees its own GPUs (``CUDA_VISIBLE_DEVICES``): by default one GPU each when
+the machine has GPUs, or groups chosen with ``gpus="0,1|2,3"``; see
+:mod:`tf_hetbatch.launch.gpus`. The launcher logs one line per worker, e.g.
+``worker 1: GPUs 2,3``.
+
 Optionally each worker is held to a CPU cap (cgroup quota or SIGSTOP/SIGCONT duty cycle) to
 emulate slower machines, the caps can change on a schedule, and workers can be preempted
 (SIGKILL, or a notice: SIGTERM, then SIGKILL after ``grace`` seconds; with parameter servers
@@ -31,6 +36,8 @@ Example:
     # A notice to worker 1 at 20 s (SIGTERM; SIGKILL `grace` = 30 s later if it still runs):
     # the workers save and exit with RESTART_EXIT_CODE, and the cluster starts again.
     result = launch(["train.py"], num_workers=2, preempt="20:1/term")
+    # Worker 0 on GPUs 0 and 1, worker 1 on GPU 2, worker 2 CPU-only:
+    result = launch(["train.py"], num_workers=3, gpus="0,1|2|")
 """
 
 import contextlib
@@ -47,6 +54,7 @@ from tf_hetbatch.core._validate import check_int
 from tf_hetbatch.training.preemption import RESTART_EXIT_CODE
 from tf_hetbatch.launch import cluster
 from tf_hetbatch.launch.cpu_caps import CAP_METHODS, make_caps
+from tf_hetbatch.launch.gpus import GpuPlan, GpuSetting, assign_gpus, visible_gpus
 from tf_hetbatch.launch.schedule import (Cap, CapChange, Preemption, parse_cpus,
                                          parse_preemptions, parse_schedule, validate_cpus,
                                          validate_preemptions, validate_schedule)
@@ -131,7 +139,8 @@ def launch(script_argv: Sequence[str], num_workers: int,
            stdout: Optional[IO[str]] = None, stderr: Optional[IO[str]] = None,
            handle_signals: bool = True, num_ps: int = 0,
            preempt: Union[str, Sequence[Preemption], None] = None,
-           server_command: Optional[Sequence[str]] = None) -> LaunchResult:
+           server_command: Optional[Sequence[str]] = None,
+           gpus: GpuSetting = None) -> LaunchResult:
     """Runs ``script_argv`` as a TF_CONFIG cluster on 127.0.0.1.
 
     With ``num_ps=0`` the script runs as ``num_workers`` worker processes (a
@@ -175,6 +184,16 @@ def launch(script_argv: Sequence[str], num_workers: int,
             (``max_restarts`` applies; no ``+D``). A restarted worker keeps its cap.
         server_command: the ps and worker tasks' command (default
             ``[python, "-m", "tf_hetbatch.launch.server"]``); only with ``num_ps >= 1``.
+        gpus: each worker's GPUs, as ``CUDA_VISIBLE_DEVICES`` of its process. Default None
+            ("auto"): one GPU per worker when the launcher sees GPUs (its own
+            ``CUDA_VISIBLE_DEVICES`` list, else ``nvidia-smi -L``), workers beyond the GPU
+            count CPU-only (with a warning); no GPU seen: the environment is left alone.
+            ``"0,1|2,3"`` or ``[[0, 1], [2, 3]]``: one group per worker of positions in that
+            list, an empty group (``"0|1|"``) or ``none`` for a CPU-only worker; ``"none"``:
+            all CPU-only; ``"all"``: the environment is left alone. With parameter servers
+            the groups are the worker tasks'; chief and ps get ``CUDA_VISIBLE_DEVICES=""``
+            whenever GPUs are assigned. Checked before any process starts; see
+            :mod:`tf_hetbatch.launch.gpus`.
 
     Returns:
         A :class:`LaunchResult`; ``result.ok`` only if every worker exited 0 (with
@@ -183,10 +202,12 @@ def launch(script_argv: Sequence[str], num_workers: int,
     Raises:
         ValueError: bad argument (the message names the value and the fix).
         RuntimeError: ``cap_method="cgroup"`` but no writable cgroup hierarchy.
+        TypeError: ``gpus`` of the wrong type.
     """
     run = _LaunchRun.validated(
         script_argv, num_workers, num_ps, cpus, schedule, preempt, server_command, python,
-        max_restarts, cap_method, period_ms, timeout, threads, env, grace, stdout, stderr)
+        max_restarts, cap_method, period_ms, timeout, threads, env, grace, stdout, stderr,
+        gpus)
     stop, received = threading.Event(), []
     with _stopped_by_signals(handle_signals, stop, received):
         return run.attempts(stop, received)
@@ -232,11 +253,12 @@ class _LaunchRun:
     grace: float
     stdout: IO[str]
     stderr: IO[str]
+    gpu_plan: GpuPlan
 
     @classmethod
     def validated(cls, script_argv, num_workers, num_ps, cpus, schedule, preempt,
                   server_command, python, max_restarts, cap_method, period_ms, timeout,
-                  threads, env, grace, stdout, stderr) -> "_LaunchRun":
+                  threads, env, grace, stdout, stderr, gpus=None) -> "_LaunchRun":
         """`launch`'s arguments checked (the messages name the value and the fix)."""
         num_workers = check_int("num_workers", num_workers, 1, "pass e.g. num_workers=2.")
         num_ps = check_int("num_ps", num_ps, 0, "pass 0 for a worker-only "
@@ -257,7 +279,9 @@ class _LaunchRun:
             cap_method=cap_method, period_ms=period_ms,
             timeout=_check_seconds(timeout, "timeout"), threads=threads, env=env,
             grace=_check_seconds(grace, "grace"), stdout=stdout or sys.stdout,
-            stderr=stderr or sys.stderr)
+            stderr=stderr or sys.stderr,
+            gpu_plan=assign_gpus(gpus, num_workers, lambda: visible_gpus(os.environ),
+                                 env_sets_cuda=bool(env) and cluster.CUDA_ENV in env))
         if cap_method == "none" and run.wants_caps:
             raise ValueError(f"cap_method='none' but CPU caps were given (cpus="
                              f"{run.caps_list}, {len(run.changes)} schedule changes). Fix: "
@@ -283,13 +307,15 @@ class _LaunchRun:
                        needed=self.wants_caps) as caps:
             if self.wants_caps:
                 logger.info("CPU caps: %s; caps %s", caps.description, self.caps_list)
+            for line in self.gpu_plan.lines(self.num_ps > 0):
+                logger.info("%s", line)
             attempt = failures = 0
             while True:
                 reservation = cluster.PortReservation(num_tasks)
                 try:
                     tasks = _tasks(reservation.ports, self.num_ps, self.num_workers, attempt,
                                    self.command, self.servers, base_env, self.threads,
-                                   self.env)
+                                   self.env, self.gpu_plan)
                     logger.info("Attempt %d: %s", attempt, ", ".join(
                         f"{t.name} at {cluster.HOST}:{p}"
                         for t, p in zip(tasks, reservation.ports)))
@@ -335,11 +361,13 @@ def _server_command(command: Optional[Sequence[str]], num_ps: int,
 
 def _tasks(ports: Sequence[int], num_ps: int, num_workers: int, attempt: int,
            command: Sequence[str], servers: Sequence[str], base_env: Mapping[str, str],
-           threads: Optional[int], extra: Optional[Mapping[str, str]]) -> List[TaskSpec]:
+           threads: Optional[int], extra: Optional[Mapping[str, str]],
+           gpu_plan: GpuPlan) -> List[TaskSpec]:
     """The tasks of one attempt, in start order; task ``k`` listens on ``ports[k]``."""
     if not num_ps:
         return [TaskSpec("worker", i, tuple(command),
-                         cluster.worker_env(base_env, ports, i, attempt, threads, extra), i)
+                         cluster.worker_env(base_env, ports, i, attempt, threads, extra,
+                                            gpu_plan.env_value("worker", i)), i)
                 for i in range(num_workers)]
     spec = cluster.ps_cluster(ports, num_ps)
     tasks = []
@@ -350,7 +378,8 @@ def _tasks(ports: Sequence[int], num_ps: int, num_workers: int, attempt: int,
         min_interop = WORKER_MIN_INTEROP_THREADS if role == "worker" else 1
         for i in range(count):
             config = cluster.task_tf_config(spec, role, i)
-            env = cluster.task_env(base_env, config, attempt, threads, extra, min_interop)
+            env = cluster.task_env(base_env, config, attempt, threads, extra, min_interop,
+                                   gpu_plan.env_value(role, i))
             tasks.append(TaskSpec(role, i, tuple(argv), env, i if role == "worker" else None))
     return tasks
 

@@ -8,6 +8,7 @@ Also installed as ``tf-hetbatch-launch``. Examples::
     tf-hetbatch-launch --workers 2 --max-restarts 3 --timeout 600 train.py
     tf-hetbatch-launch --workers 2 --preempt 60:1 --max-restarts 1 train.py
     tf-hetbatch-launch --workers 2 --preempt 60:1/term train.py   # a notice (SIGTERM)
+    tf-hetbatch-launch --workers 3 --gpus "0,1|2|" train.py   # worker 2 CPU-only
 
     # ParameterServerStrategy: the chief runs train_ps.py; 1 ps and 3 workers run
     # `python -m tf_hetbatch.launch.server`. Worker 2 is preempted at 30 s and back at 45 s.
@@ -61,6 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. '30:1+10;60:0/term'. Without --ps a SIGKILL is a worker "
                         "failure, and a notice makes tf_hetbatch workers save and exit 42, "
                         "which restarts the cluster")
+    p.add_argument("--gpus", metavar="G0|G1|...",
+                   help="each worker's GPUs (its CUDA_VISIBLE_DEVICES): one group per worker, "
+                        "separated by '|', of GPU indices (positions in the launcher's "
+                        "CUDA_VISIBLE_DEVICES if set, else in `nvidia-smi -L`), e.g. "
+                        "'0,1|2,3'; an empty group or 'none' for a CPU-only worker ('0|1|'); "
+                        "'none': all CPU-only; 'all': leave CUDA_VISIBLE_DEVICES alone. "
+                        "Default 'auto': one GPU per worker, workers beyond the GPU count "
+                        "CPU-only; without GPUs nothing is set. With --ps the groups are the "
+                        "worker tasks'; chief and ps get no GPU")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="restart the whole cluster up to N times after a failure (default 0)")
     p.add_argument("--cap-method", choices=CAP_METHODS, default="auto",
@@ -103,8 +113,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         schedule=schedule, max_restarts=args.max_restarts,
                         cap_method=args.cap_method, period_ms=args.period_ms,
                         timeout=args.timeout, threads=args.threads, grace=args.grace,
-                        num_ps=args.ps, preempt=preempt)
-    except (ValueError, RuntimeError) as e:
+                        num_ps=args.ps, preempt=preempt, gpus=args.gpus)
+    except (ValueError, TypeError, RuntimeError) as e:
         parser.error(str(e))  # Exits with status 2.
     print(f"[launch] {result.message}", file=sys.stderr, flush=True)
     return result.returncode

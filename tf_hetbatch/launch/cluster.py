@@ -22,6 +22,7 @@ RESTART_ENV = "TF_HETBATCH_RESTART"
 THREAD_ENVS = ("TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS", "OMP_NUM_THREADS")
 ROLES = ("chief", "ps", "worker")
 SERVER_MODULE = "tf_hetbatch.launch.server"
+CUDA_ENV = "CUDA_VISIBLE_DEVICES"
 
 
 class PortReservation:
@@ -120,22 +121,26 @@ def resolve_command(script_argv: Sequence[str], python: Optional[str] = None) ->
 
 def worker_env(base: Mapping[str, str], ports: Sequence[int], index: int, attempt: int,
                threads: Optional[int] = None,
-               extra: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+               extra: Optional[Mapping[str, str]] = None,
+               cuda_visible_devices: Optional[str] = None) -> Dict[str, str]:
     """Returns the environment of worker ``index`` of a MultiWorkerMirrored cluster on
     ``ports`` (see :func:`task_env`)."""
-    return task_env(base, tf_config(ports, index), attempt, threads, extra)
+    return task_env(base, tf_config(ports, index), attempt, threads, extra,
+                    cuda_visible_devices=cuda_visible_devices)
 
 
 def task_env(base: Mapping[str, str], config: str, attempt: int,
              threads: Optional[int] = None,
              extra: Optional[Mapping[str, str]] = None,
-             min_interop: int = 1) -> Dict[str, str]:
+             min_interop: int = 1,
+             cuda_visible_devices: Optional[str] = None) -> Dict[str, str]:
     """Returns the environment of a task whose TF_CONFIG is ``config``.
 
     Sets ``TF_CONFIG``, ``TF_HETBATCH_RESTART=<attempt>`` (0 on the first launch),
-    ``PYTHONUNBUFFERED=1`` (so that output lines arrive as they are printed) and, when
-    ``threads`` is given, the TensorFlow/OpenMP thread counts (the inter-op count at least
-    ``min_interop``). ``extra`` is applied last.
+    ``PYTHONUNBUFFERED=1`` (so that output lines arrive as they are printed), when
+    ``threads`` is given the TensorFlow/OpenMP thread counts (the inter-op count at least
+    ``min_interop``), and when ``cuda_visible_devices`` is given (``""``: no GPU) the task's
+    ``CUDA_VISIBLE_DEVICES`` (see :mod:`tf_hetbatch.launch.gpus`). ``extra`` is applied last.
     """
     env = dict(base)
     env["TF_CONFIG"] = config
@@ -145,6 +150,8 @@ def task_env(base: Mapping[str, str], config: str, attempt: int,
         for name in THREAD_ENVS:
             env[name] = str(threads)
         env["TF_NUM_INTEROP_THREADS"] = str(max(threads, min_interop))
+    if cuda_visible_devices is not None:
+        env[CUDA_ENV] = cuda_visible_devices
     if extra:
         env.update({str(k): str(v) for k, v in extra.items()})
     return env
