@@ -343,6 +343,27 @@ def test_sync_batch_normalization_is_refused_under_bounds(cpus):
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 
 
+def test_the_first_step_at_a_new_micro_batch_count_is_not_timed(cpus):
+    # Same share, another micro-batch count: new shapes to build, so one untimed step.
+    x, y = regression_data(n=320)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes(SPLIT)
+    strategy.set_micro_batch_limits([None, None, None])
+    with strategy.scope():
+        model = bounded_model()
+    timed = []
+
+    def lower_at_4(batch, logs):
+        timed.append(tuple(strategy.read_replica_times(reset=True).timed_steps))
+        if batch == 4:
+            strategy.set_micro_batch_limits([None, BOUND, None])
+
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+              callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=lower_at_4)])
+    assert timed[0] == (0.0, 0.0, 0.0) and timed[5] == (1.0, 0.0, 1.0)
+    assert all(t == (1.0, 1.0, 1.0) for i, t in enumerate(timed) if i not in (0, 5)), timed
+
+
 class OutOfMemoryInUpdate(keras.optimizers.Adam):
     """Adam whose update of the first Dense kernel on replica `replica`'s device runs out of
     memory (a real allocation beyond the machine's memory) at step `at`: past the step's update

@@ -35,6 +35,9 @@ class ReplicaTimes:
             slower replicas, the all-reduce and the host's work between steps). Zeros where
             the strategy does not measure cycles (asynchronous training).
         cycles: float64 [K], the cycles summed (a step after a pause starts none).
+        timed_steps: float64 [K], the steps whose compute time `compute_seconds` holds: all
+            but the first step at each new shape of the replica's batch (which builds what
+            that shape needs: `tf_hetbatch.distribute.timing`). Default: `steps`.
     """
 
     compute_seconds: np.ndarray
@@ -42,25 +45,29 @@ class ReplicaTimes:
     steps: np.ndarray
     cycle_seconds: Optional[np.ndarray] = None
     cycles: Optional[np.ndarray] = None
+    timed_steps: Optional[np.ndarray] = None
 
     def __post_init__(self):
         for name in ("cycle_seconds", "cycles"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros_like(self.compute_seconds))
+        if self.timed_steps is None:
+            object.__setattr__(self, "timed_steps", np.array(self.steps, dtype=np.float64))
 
     @classmethod
     def from_rows(cls, rows) -> "ReplicaTimes":
         """From a [K, 3] array of (compute seconds, samples, steps) rows, or a [K, 5] one
-        with (cycle seconds, cycles) after them."""
+        with (cycle seconds, cycles) after them, or a [K, 6] one with timed steps last."""
         rows = np.asarray(rows, dtype=np.float64)
-        rows = rows.reshape(-1, 5 if rows.ndim == 2 and rows.shape[1] == 5 else 3)
-        return cls(*(rows[:, i] for i in range(rows.shape[1])))
+        width = rows.shape[1] if rows.ndim == 2 and rows.shape[1] in (5, 6) else 3
+        rows = rows.reshape(-1, width)
+        return cls(*(rows[:, i] for i in range(width)))
 
     def rows(self) -> np.ndarray:
-        """float64 [K, 5]: (compute seconds, samples, steps, cycle seconds, cycles) per
-        replica."""
+        """float64 [K, 6]: (compute seconds, samples, steps, cycle seconds, cycles, timed
+        steps) per replica."""
         return np.stack([self.compute_seconds, self.samples, self.steps, self.cycle_seconds,
-                         self.cycles], axis=1)
+                         self.cycles, self.timed_steps], axis=1)
 
     @property
     def num_replicas(self) -> int:
@@ -68,8 +75,8 @@ class ReplicaTimes:
 
     @property
     def time_per_step(self) -> np.ndarray:
-        """Mean compute seconds per step of each replica (NaN where no step ran)."""
-        return _mean(self.compute_seconds, self.steps)
+        """Mean compute seconds per timed step of each replica (NaN where none was timed)."""
+        return _mean(self.compute_seconds, self.timed_steps)
 
     @property
     def samples_per_step(self) -> np.ndarray:
@@ -79,7 +86,7 @@ class ReplicaTimes:
     @property
     def throughput(self) -> np.ndarray:
         """Samples per compute second of each replica (NaN where nothing was timed)."""
-        return _mean(self.samples, self.compute_seconds)
+        return _mean(self.samples_per_step, self.time_per_step)
 
     @property
     def cycle_time(self) -> np.ndarray:

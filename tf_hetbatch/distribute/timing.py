@@ -18,14 +18,21 @@ cycles wholly inside it, at its own split, without the host's work between two m
 (a controller's update, a switch of the split). A cycle is carried by the step after it, so
 of a measurement's L steps, L - 2 cycles count.
 
-The records travel in the step's gradient all-reduce: each replica adds a [K, 5] float32 table
+The first step at a new per-replica shape (its samples, its micro-batch count) is timed
+neither in compute time nor in cycle (it counts its samples and step, not a timed step): that step builds what its shape needs (cuDNN autotunes
+every convolution on a GPU, oneDNN creates its primitives on a CPU, XLA and Grappler
+specialise), which the steps after it do not pay. So each change of split, each candidate of
+the step-time search and each change of micro-batch count costs its window one step; the
+first step of a run is one of them (each replica keeps its last step's shape in a host scalar).
+
+The records travel in the step's gradient all-reduce: each replica adds a [K, 6] float32 table
 that is zero except its own row (compute seconds, samples, 1 step, its previous cycle's
-seconds, 1 if it had one), so the sum, the same on every replica of every worker and exact
+seconds, 1 if it had one, 1 if the step is timed), so the sum, the same on every replica of every worker and exact
 (each entry is one value plus zeros), holds every replica's row. Every replica adds the sum to
-its copy of one ON_READ float64 [K, 5] variable; Python reads this process's first copy between
+its copy of one ON_READ float64 [K, 6] variable; Python reads this process's first copy between
 steps (`HeteroMirroredStrategy.read_replica_times`): every worker reads the whole cluster's
 measurements without a collective of its own. The stamps and the records are side ops: no part
-of the step waits for them; the table adds K * 5 floats to the all-reduce.
+of the step waits for them; the table adds K * 6 floats to the all-reduce.
 
 A step compiled by XLA (`model.compile(jit_compile=True)`: Keras traces the strategy's whole
 `run` inside `tf.function(jit_compile=True)`) takes no stamps: the host clock cannot be read
@@ -42,8 +49,9 @@ import tensorflow as tf
 from tf_hetbatch.core.measurements import ReplicaTimes
 from tf_hetbatch.distribute._upstream import clock
 
-# Columns of a replica's row: compute seconds, samples, steps, cycle seconds, cycles.
-_COLUMNS = 5
+# Columns of a replica's row: compute seconds, samples, steps, cycle seconds, cycles, timed
+# steps (`ReplicaTimes.rows`).
+_COLUMNS = 6
 # The cycle variable's mark after a new measurement starts: no cycle to carry, and the next
 # release closes none (its cycle began before the measurement).
 _NEXT_CLOSES_NONE = -1.0
@@ -93,6 +101,8 @@ class TimingAccumulators:
             # the next release close one).
             self._release = self._local_scalar("hetbatch_release_time")
             self._cycle = self._local_scalar("hetbatch_step_cycle")
+            # Each replica's last step's shape (`shape_kept`), 0: none yet.
+            self._shape = self._local_scalar("hetbatch_step_shape")
 
     @staticmethod
     def _local_scalar(name):
@@ -111,16 +121,28 @@ class TimingAccumulators:
         previous = self._release.read_value()
         return tf.where(previous > 0, previous, inputs_ready)
 
-    def row(self, seconds, samples):
-        """Replica context: this replica's [K, 5] float32 table of the step (zero except its
-        row), to be summed in the step's all-reduce and passed to `record`."""
+    def shape_kept(self, samples, micro_batches=None):
+        """Replica context: whether this step has its replica's previous step's shape (its
+        `samples`, its micro-batch count), as a float64 1.0 or 0.0; records this step's."""
+        shape = tf.cast(samples, tf.float64)
+        if micro_batches is not None:  # exact in float64: samples < 2**32, counts < 2**20
+            shape += tf.cast(micro_batches, tf.float64) * 2.0**32
+        kept = tf.cast(tf.equal(self._shape.read_value(), shape), tf.float64)
+        self._shape.assign(shape)
+        return kept
+
+    def row(self, seconds, samples, kept):
+        """Replica context: this replica's [K, 6] float32 table of the step (zero except its
+        row), to be summed in the step's all-reduce and passed to `record`. `kept`
+        (`shape_kept`) 0: the step's compute is not timed."""
         cycle = tf.maximum(self._cycle.read_value(), 0.0)
         values = tf.cast(tf.stack([
-            tf.cast(seconds, tf.float64),
+            tf.cast(seconds, tf.float64) * kept,
             tf.cast(samples, tf.float64),
             tf.constant(1.0, tf.float64),
             cycle,
             tf.cast(cycle > 0, tf.float64),
+            kept,
         ]), tf.float32)
         replica = tf.distribute.get_replica_context().replica_id_in_sync_group
         slot = tf.one_hot(replica, self._num_replicas, dtype=tf.float32)
@@ -130,23 +152,23 @@ class TimingAccumulators:
         """Replica context: adds the step's summed table (every replica's row)."""
         return self._totals.assign_add(tf.cast(summed_rows, tf.float64))
 
-    def record_release(self, reduced):
+    def record_release(self, reduced, kept):
         """Replica context: stamps the release once the all-reduced values are there, and the
-        cycle since the previous release."""
+        cycle since the previous release (none where the step's shape is new: `kept` 0)."""
         ready = [t for t in tf.nest.flatten(reduced, expand_composites=True) if t is not None]
         with tf.control_dependencies(ready):
             released = now()
         # Nothing waits for the records (stateful ops the step runs anyway): the update
         # after the all-reduce gets no extra barrier.
         previous = self._release.read_value()
-        closes = (previous > 0) & (self._cycle.read_value() != _NEXT_CLOSES_NONE)
+        closes = (previous > 0) & (self._cycle.read_value() != _NEXT_CLOSES_NONE) & (kept > 0)
         self._cycle.assign(tf.where(closes, released - previous, tf.zeros_like(released)))
         self._release.assign(released)
         return reduced
 
     def reset_clock(self):
-        """Eager: the next step of each replica starts when its inputs are ready, and closes
-        no cycle."""
+        """Eager: the next step of each replica starts when its inputs are ready, closes no
+        cycle, and is measured only if its shape is the last step's."""
         for variable in (self._release, self._cycle):
             for local in self._strategy.experimental_local_results(variable):
                 local.assign(0.0)

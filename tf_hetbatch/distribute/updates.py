@@ -116,7 +116,7 @@ def _sum_with_timing(step, values, gate=None, flags=None):
     if step.apply_if is not None:
         table = table * tf.cast(step.apply_if, table.dtype)
     step.timing.record(table)
-    return step.timing.record_release(summed)
+    return step.timing.record_release(summed, step.timing_kept)
 
 
 def finish_step(step: ReplicaStep, model, outputs):
@@ -249,7 +249,8 @@ def _timed_gradients(step, grads):
     with tf.control_dependencies(ready):
         end_time = timing.now()
     start_time = step.timing.step_start(step.start_time)
-    step.timing_row = step.timing.row(end_time - start_time, step.samples)
+    step.timing_kept = step.timing.shape_kept(step.samples, step.micro_batch_count)
+    step.timing_row = step.timing.row(end_time - start_time, step.samples, step.timing_kept)
     return grads
 
 

@@ -127,6 +127,7 @@ class ReplicaStep:
     timed: bool = False  # the replica's compute time is stamped (once per step)
     # Its timing table (`timing.TimingAccumulators.row`), until the step's first sum carries it.
     timing_row: Optional[tf.Tensor] = None
+    timing_kept: Optional[tf.Tensor] = None  # 1.0: the step has the last step's shape (timing)
     # Across workers, with micro-batch limits: the out-of-memory flags the step's one
     # all-reduce carries (`out_of_memory.FailureFlags`), and whether its update may apply.
     failure_flags: Any = None
