@@ -20,9 +20,11 @@ On a machine with GPUs (a few minutes):
 
 Up front, each device with memory of its own (a GPU: `tf.config.experimental.get_memory_info`)
 gets a memory bound from `tf_hetbatch.probe_micro_batch_limits`: the peak memory of a training
-step at two batch sizes, fitted linearly (a fixed part plus a part per sample) and solved for
-the device's free memory (as nvidia-smi reports it before the probe: an estimate, TensorFlow's
-own pool and other processes move it).
+step at two batch sizes (each after one warm-up step), fitted linearly (a fixed part plus a
+part per sample) and solved for the budget TensorFlow's allocator gives the device (here,
+with memory growth on and no virtual devices: nvidia-smi's total memory less TensorFlow's
+per-process reserve) less headroom for the all-reduce (3x the model's trainable bytes). The
+table shows the budget, where it came from, the headroom and the measured peaks side by side.
 
 Without a GPU it says which parts it skipped (part 6: XLA with several logical CPU replicas
 fails for the stock MirroredStrategy too) and runs the rest on logical CPUs: two logical
@@ -300,8 +302,9 @@ def reports_memory(device):
 
 def probe_memory(devices, args):
     """Per device with memory of its own (GPUs): its peak memory at the probe's two batch
-    sizes and the bound a linear fit gives for its free memory
-    (`tf_hetbatch.probe_micro_batch_limits`); [] where none has (CPUs)."""
+    sizes, the budget the probe used (bytes, source, detail), the all-reduce headroom and the
+    bound a linear fit gives (`tf_hetbatch.probe_micro_batch_limits`); [] where none has
+    (CPUs)."""
     import tf_hetbatch as hb
 
     reporting = [d for d in devices if reports_memory(d)]  # starts the runtime on the GPUs
@@ -310,7 +313,9 @@ def probe_memory(devices, args):
     probes = hb.probe_micro_batch_limits(functools.partial(make_model, args.filters),
                                          data(256, seed=2), reporting)
     return [{"device": p.device, "sizes": list(p.sizes), "peak_bytes": list(p.peak_bytes),
-             "free_bytes": p.memory_bytes, "bound": p.bound} for p in probes]
+             "budget_bytes": p.memory_bytes, "budget_source": p.memory_source,
+             "budget_detail": p.memory_detail, "headroom_bytes": p.headroom_bytes,
+             "bound": p.bound} for p in probes]
 
 
 # ------------------------------------------------------------------------- two workers ----
@@ -434,11 +439,19 @@ def print_table(results):
         print("memory bounds: skipped: no device reports memory of its own (no GPU; CPU "
               "replicas share the host's)")
     for row in results["memory_bounds"]:
-        peaks = ", ".join(f"{p / 2**20:.1f} MB at {b}" for b, p in zip(row["sizes"],
-                                                                       row["peak_bytes"]))
-        free = "unknown" if row["free_bytes"] is None else f"{row['free_bytes'] / 2**30:.1f} GB"
-        print(f"memory bound of {row['device']}: step peak {peaks}; free {free}: "
-              f"{'none' if row['bound'] is None else row['bound']} samples at once")
+        print(memory_bound_line(row))
+
+
+def memory_bound_line(row):
+    """One device's probe: the measured peaks next to the budget, its source and headroom."""
+    peaks = ", ".join(f"{p / 2**20:.1f} MB at {b}" for b, p in zip(row["sizes"],
+                                                                   row["peak_bytes"]))
+    budget = ("unknown" if row["budget_bytes"] is None else
+              f"{row['budget_bytes'] / 2**30:.2f} GB less headroom "
+              f"{row['headroom_bytes'] / 2**20:.1f} MB")
+    return (f"memory bound of {row['device']}: step peak {peaks}; budget {budget} "
+            f"[{row['budget_source']}: {row['budget_detail']}]: "
+            f"{'none' if row['bound'] is None else row['bound']} samples at once")
 
 
 def main(argv=None):

@@ -638,6 +638,15 @@ def test_the_probe_bounds_a_step_by_the_memory_it_may_use():
     found = json.loads(run.stdout.split("PROBES ", 1)[1])
     first = found["first"]
     assert first["peak_bytes"][1] > first["peak_bytes"][0] > 0 and first["bound"] is None
+    # After the warm-up step the line's fixed part still counts the model: its weights, their
+    # gradients and Adam's two slots are all live when the update runs, whatever the batch
+    # (measured ~8x the trainable bytes; ~3x where the model's own memory was left out). No
+    # all-reduce headroom on CPUs.
+    (small, large), (size_s, size_l) = first["peak_bytes"], first["sizes"]
+    fixed = small - (large - small) / (size_l - size_s) * size_s
+    assert fixed > 4 * first["trainable_bytes"] > 0, first
+    assert first["headroom_bytes"] == 0 and first["memory_source"] == "unknown"
+    assert found["at_64"][0]["memory_source"] == "memory_bytes"
     bounds = [p["bound"] for p in found["at_64"]]
     assert all(32 < b < 128 for b in bounds), found["at_64"]  # between the probed sizes
     budget = found["at_64"][0]["memory_bytes"]
