@@ -13,6 +13,7 @@ os.environ.setdefault("TF_ONEDNN_USE_SYSTEM_ALLOCATOR", "true")
 import pytest  # noqa: E402
 
 NUM_LOGICAL_CPUS = 4
+INTER_OP_THREADS = 2 * NUM_LOGICAL_CPUS
 
 
 def _configure_logical_cpus():
@@ -23,6 +24,10 @@ def _configure_logical_cpus():
         tf.config.set_logical_device_configuration(
             cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_LOGICAL_CPUS
         )
+        # Logical CPUs share one inter-op pool (one thread per core by default): a replica
+        # whose op blocks a thread (the tests' sleeping costs) would hold up the others' ops,
+        # their timing stamps too. Enough threads let replicas run side by side, as devices do.
+        tf.config.threading.set_inter_op_parallelism_threads(INTER_OP_THREADS)
     except RuntimeError:  # already initialised by an earlier import: keep what is there
         pass
 

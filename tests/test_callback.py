@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 
 import tf_hetbatch as hb
+from tf_hetbatch.distribute._upstream import clock
 from helpers import build_under, dense_model, max_weight_diff, regression_data
 from tf_hetbatch.core.controllers import ControllerState
 
@@ -52,6 +53,9 @@ class ReplicaCost(keras.layers.Layer):
             return np.float32(0.0)
 
         token = tf.py_function(spend, [cost, tf.shape(x)[0]], tf.float32)
+        # As a device's kernels, a replica's sleep waits for no other replica's: tf.function
+        # would run the replicas' py_functions (stateful ops) one after another.
+        clock.independent(token.op)
         token.set_shape([])
         return x + 0.0 * token
 

@@ -78,3 +78,33 @@ def test_the_host_clock_has_no_xla_kernel(read_clock):
     with pytest.raises(tf.errors.InvalidArgumentError, match="No registered"):
         tf.function(read_clock, jit_compile=True)()
     assert float(tf.function(read_clock)()) > 1.7e9  # outside XLA it runs
+
+
+def _control_inputs(fn):
+    graph = tf.function(fn).get_concrete_function().graph
+    stamps = [op for op in graph.get_operations() if op.type in ("Timestamp", "EagerPyFunc")]
+    return [[c.name for c in op.control_inputs] for op in stamps]
+
+
+def test_tf_function_chains_clock_ops_in_program_order():
+    # The fact `clock.independent` exists for: a replica's stamps would wait for the others'.
+    def two_stamps():
+        return tf.timestamp(), tf.timestamp()
+
+    assert _control_inputs(two_stamps) == [[], ["Timestamp"]]
+
+
+def test_an_independent_stamp_waits_for_nothing_but_still_runs():
+    def two_stamps():
+        return timing.now(), timing.now()
+
+    assert _control_inputs(two_stamps) == [[], []]
+    first, second = tf.function(two_stamps)()
+    assert float(first) > 1.7e9 and float(second) > 1.7e9
+
+
+def test_an_independent_stamp_under_op_determinism_waits_for_nothing(op_determinism):
+    def two_stamps():
+        return timing.now(), timing.now()
+
+    assert _control_inputs(two_stamps) == [[], []]

@@ -54,6 +54,7 @@ import tensorflow as tf
 
 from tf_hetbatch.core import micro_batches as _core
 from tf_hetbatch.distribute import out_of_memory
+from tf_hetbatch.distribute import timing
 from tf_hetbatch.distribute import updates
 from tf_hetbatch.distribute import weighting
 from tf_hetbatch.distribute._upstream import keras_trainer
@@ -222,14 +223,20 @@ def run(step: weighting.ReplicaStep, fn, args, kwargs, plan: StepPlan):
                if dist and _has_batch_dim(leaf)]
     if not batched:
         return _call(step, fn, structure, plan)[0]  # nothing per replica to cut
-    samples = _batch_size(leaves[batched[0]])
-    replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-    count = _counts(samples, tf.gather(plan.limits, replica))
+    # The loop's integers (its counter, count, slice bounds) live on the replica's host CPU:
+    # the loop's condition and the slices' bounds are read there, so on a GPU each micro-batch
+    # would otherwise wait for the device to hand them back.
+    host = timing.replica_host()
+    with tf.device(host):
+        samples = _batch_size(leaves[batched[0]])
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        count = _counts(samples, tf.gather(plan.limits, replica))
     step.micro_batched, step.micro_batch_count = True, count
 
     def part(j):
-        start = (j * samples + count - 1) // count
-        end = ((j + 1) * samples + count - 1) // count
+        with tf.device(host):
+            start = (j * samples + count - 1) // count
+            end = ((j + 1) * samples + count - 1) // count
         cut = list(leaves)
         for i in batched:
             cut[i] = leaves[i][start:end]
@@ -242,7 +249,8 @@ def run(step: weighting.ReplicaStep, fn, args, kwargs, plan: StepPlan):
     present = [i for i, g in enumerate(grads0) if g is not None]
 
     def cond(j, acc, outs):
-        return j < count
+        with tf.device(host):
+            return j < count
 
     def body(j, acc, outs):
         with tf.control_dependencies(acc or outs):  # one micro-batch at a time: memory
@@ -257,10 +265,14 @@ def run(step: weighting.ReplicaStep, fn, args, kwargs, plan: StepPlan):
         kept = [t for t, kind in zip(more_flat, kinds) if kind != _FIXED]
         outs = [o + t if kind == _SUM else t for o, t, kind in
                 zip(outs, kept, [k for k in kinds if k != _FIXED])]
-        return j + 1, acc, outs
+        with tf.device(host):
+            j = j + 1
+        return j, acc, outs
 
     initial = [flat[i] for i, kind in enumerate(kinds) if kind != _FIXED]
-    loop_vars = [tf.constant(1, tf.int64), [_dense(grads0[i]) for i in present], initial]
+    with tf.device(host):
+        first = tf.constant(1, tf.int64)
+    loop_vars = [first, [_dense(grads0[i]) for i in present], initial]
     _, acc, outs = tf.while_loop(cond, body, loop_vars, parallel_iterations=1)
     outs = iter(outs)
     combined = [t if kind == _FIXED else next(outs) for t, kind in zip(flat, kinds)]

@@ -332,11 +332,9 @@ def _start_stamp(replica_args, check_nonempty, timed=True):
     The stamp depends on the inputs only and nothing depends on it but the timing record, so it
     adds no barrier to the step: gating the replica's work on the stamp, or on all replicas'
     inputs, cost several percent of a small model's step on 2 cores (and 35-50% of a step of
-    3 logical CPU replicas with while loops on 2 cores). The executor runs the stamp once an
-    inter-op thread takes it: at once on an idle pool, but behind other replicas' work when
-    replicas share the host's cores (logical CPU devices), where a replica's time then reads
-    short (0-2.2 ms for a replica whose alone time is 3.5-8 ms; BUILD_NOTES, "Step time per
-    replica").
+    3 logical CPU replicas with while loops on 2 cores). Nor does it wait for another replica's
+    stamps (`timing.now`: `tf.function` would chain them in program order, and every replica
+    but the first would read a fraction of its time).
     Only with plain BatchNormalization (`check_nonempty`) are the returned args gated, on a
     check that the batch is not empty: the step then fails with a clear message before any of
     its work runs.
@@ -344,9 +342,9 @@ def _start_stamp(replica_args, check_nonempty, timed=True):
     tensors = [
         t for t in tf.nest.flatten(replica_args, expand_composites=True) if isinstance(t, tf.Tensor)
     ]
-    stamp = timing.now if timed else (lambda: None)
+    stamp = timing.now_after if timed else (lambda tensors: None)
     if not tensors:
-        return replica_args, stamp(), tf.constant(0, tf.int64)
+        return replica_args, stamp([]), tf.constant(0, tf.int64)
     samples = samples_of(_step_data(replica_args))
     if check_nonempty:
         check = tf.debugging.assert_positive(
@@ -363,5 +361,4 @@ def _start_stamp(replica_args, check_nonempty, timed=True):
                 replica_args,
                 expand_composites=True,
             )
-    with tf.control_dependencies(tensors):
-        return replica_args, stamp(), samples
+    return replica_args, stamp(tensors), samples

@@ -63,6 +63,40 @@ def stamps_possible() -> bool:
     return not clock.in_xla_context()
 
 
+def host_device(device: str) -> str:
+    """The host CPU of a replica on `device`: the device itself when it is a CPU (or not
+    named), else its task's CPU:0 (job, replica and task kept)."""
+    spec = tf.DeviceSpec.from_string(device or "")
+    if spec.device_type in (None, "CPU"):
+        return device or ""
+    return spec.replace(device_type="CPU", device_index=0).to_string()
+
+
+def replica_host() -> str:
+    """Traced in a replica's step: the host CPU of the device its ops run on ("" eagerly:
+    no scope)."""
+    if tf.executing_eagerly():
+        return ""
+    return host_device(tf.no_op().device)
+
+
+def now_after(tensors) -> tf.Tensor:
+    """In a step's graph: the host clock (`now`) once `tensors` are computed.
+
+    One no-op per device waits for the tensors there (`tf.group`), and the stamp, on the host
+    CPU of the replica's device, waits for it: one cross-device edge where the tensors are on
+    a GPU (each edge to a host op is a send/recv pair of its own), not one per tensor; and the
+    stamp names its device, so it places with soft placement off (`tf.timestamp` has no GPU
+    kernel).
+    """
+    tensors = [t for t in tensors if t is not None]
+    if not tensors or tf.executing_eagerly():
+        return now()
+    done = tf.group(*tensors)
+    with tf.control_dependencies([done]), tf.device(host_device(done.device)):
+        return now()
+
+
 def now() -> tf.Tensor:
     """In a step's graph: the host clock, seconds since the epoch (float64 scalar).
 
@@ -70,12 +104,17 @@ def now() -> tf.Tensor:
     (`tf.config.experimental.enable_op_determinism()`), where TensorFlow refuses to run it (its
     value is not reproducible): the host's clock is then read through `tf.py_function` (0.16 ms
     more a stamp here, three a replica a step; it changes no value the model computes).
-    Decided when the step is traced.
+    Decided when the step is traced. The stamp is exempt from the program order `tf.function`
+    gives stateful ops (`clock.independent`): it waits for what its caller makes it wait for
+    (`now_after`), never for another replica's stamps.
     """
     if clock.op_determinism_enabled():
         stamp = tf.py_function(time.time, [], tf.float64)
+        clock.independent(stamp.op)
         return tf.reshape(stamp, [])
-    return tf.timestamp()
+    stamp = tf.timestamp()
+    clock.independent(stamp.op)  # not chained to the other replicas' stamps (`clock`)
+    return stamp
 
 
 class TimingAccumulators:
@@ -155,9 +194,7 @@ class TimingAccumulators:
     def record_release(self, reduced, kept):
         """Replica context: stamps the release once the all-reduced values are there, and the
         cycle since the previous release (none where the step's shape is new: `kept` 0)."""
-        ready = [t for t in tf.nest.flatten(reduced, expand_composites=True) if t is not None]
-        with tf.control_dependencies(ready):
-            released = now()
+        released = now_after(tf.nest.flatten(reduced, expand_composites=True))
         # Nothing waits for the records (stateful ops the step runs anyway): the update
         # after the all-reduce gets no extra barrier.
         previous = self._release.read_value()

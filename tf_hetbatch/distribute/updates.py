@@ -227,7 +227,7 @@ def _after_every_local_replica(ctx, values, gate=None):
     has recorded it)."""
     def ready_token(strategy, per_replica):
         local = [t for v in per_replica for t in strategy.experimental_local_results(v)]
-        with tf.control_dependencies(local):
+        with tf.control_dependencies([tf.group(*local)]):  # one edge per device
             if gate is None:
                 return tf.constant(True)
             with tf.control_dependencies([gate.open()]):
@@ -245,9 +245,7 @@ def _timed_gradients(step, grads):
     The all-reduce waits for the stamp only (taken once the gradients are there): timing adds
     no barrier before it.
     """
-    ready = [g for g in tf.nest.flatten(grads, expand_composites=True) if g is not None]
-    with tf.control_dependencies(ready):
-        end_time = timing.now()
+    end_time = timing.now_after(tf.nest.flatten(grads, expand_composites=True))
     start_time = step.timing.step_start(step.start_time)
     step.timing_kept = step.timing.shape_kept(step.samples, step.micro_batch_count)
     step.timing_row = step.timing.row(end_time - start_time, step.samples, step.timing_kept)
