@@ -55,7 +55,7 @@ class ReplicaCost(keras.layers.Layer):
         token = tf.py_function(spend, [cost, tf.shape(x)[0]], tf.float32)
         # As a device's kernels, a replica's sleep waits for no other replica's: tf.function
         # would run the replicas' py_functions (stateful ops) one after another.
-        clock.independent(token.op)
+        clock.independent(token)
         token.set_shape([])
         return x + 0.0 * token
 

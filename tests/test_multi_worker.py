@@ -95,10 +95,14 @@ def test_two_workers_exact_with_a_switch_at_the_same_step(switched_weighted):
     # Every worker read every replica's measurements of each step, bit for bit the same
     # (they travel in the step's all-reduce): compute seconds, samples, 1 step, and the
     # previous step's cycle on every step but the first two of the fit (and of an epoch whose
-    # input pipeline starts anew: 2 epochs).
+    # input pipeline starts anew: 2 epochs). Compute is timed on every step but a replica's
+    # first at each share: the fit's first, and the switch's.
     rows = [np.array(info["times"]) for _, info in outputs]
     np.testing.assert_array_equal(rows[0], rows[1])
-    assert np.all(rows[0][:, :, 0] > 0) and np.all(rows[0][:, :, 2] == 1)
+    timed = rows[0][:, :, 5] == 1
+    assert np.all(~timed[0]) and np.all((~timed).sum(axis=0) == 2)
+    assert np.all(rows[0][:, :, 0][timed] > 0) and np.all(rows[0][:, :, 0][~timed] == 0)
+    assert np.all(rows[0][:, :, 2] == 1)
     assert np.all(rows[0][:2, :, 4] == 0)
     assert rows[0][:, :, 4].sum() >= 2 * (len(rows[0]) - 2 * 2)
     assert np.all(rows[0][:, :, 3][rows[0][:, :, 4] == 1] > 0)

@@ -110,10 +110,10 @@ def now() -> tf.Tensor:
     """
     if clock.op_determinism_enabled():
         stamp = tf.py_function(time.time, [], tf.float64)
-        clock.independent(stamp.op)
+        clock.independent(stamp)
         return tf.reshape(stamp, [])
     stamp = tf.timestamp()
-    clock.independent(stamp.op)  # not chained to the other replicas' stamps (`clock`)
+    clock.independent(stamp)  # not chained to the other replicas' stamps (`clock`)
     return stamp
 
 

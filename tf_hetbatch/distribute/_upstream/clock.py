@@ -53,10 +53,10 @@ def in_xla_context() -> bool:
     return bool(reader(tf.compat.v1.get_default_graph()))
 
 
-def independent(op) -> None:
-    """Exempts `op`, a stateful op of the function being traced, from the program order
-    `tf.function` imposes on such ops (the module docs); a no-op eagerly or outside a
-    function.
+def independent(tensor) -> None:
+    """Exempts the op of `tensor`, a stateful op of the function being traced, from the
+    program order `tf.function` imposes on such ops (the module docs); a no-op eagerly or
+    outside a function.
 
     Raises:
         RuntimeError: TensorFlow's manager lacks `run_independently` (the stamps would chain).
@@ -72,4 +72,4 @@ def independent(op) -> None:
             "This TensorFlow's automatic control dependencies have no run_independently: the "
             "timing stamps of a step's replicas would wait for each other. Fix: use a "
             "TensorFlow version tf_hetbatch supports (see its BUILD_NOTES).")
-    run_independently(op)
+    run_independently(tensor.op)
