@@ -214,6 +214,37 @@ def test_each_windows_step_time_reaches_a_controller_that_takes_it(cpus):
     assert recorder.step_times == pytest.approx(used)
 
 
+@pytest.mark.parametrize("thread_safe_backend", [False, True],
+                         ids=["tensorflow-backend", "thread-safe-backend"])
+def test_fit_with_dynamic_batching_dispatches_steps_as_without_it(cpus, monkeypatch,
+                                                                  thread_safe_backend):
+    """Keras dispatches `on_train_batch_end` asynchronously unless a callback has a batch-end
+    hook; DynamicBatching has none, so `fit` dispatches its steps as without it: on the
+    TensorFlow backend (Keras 3.15: synchronously, tensorflow/tensorflow#78338) and on a
+    backend that allows asynchronous dispatch (its flag set for this test), where batch ends
+    then run on Keras's thread pool while DynamicBatching still balances."""
+    from tf_hetbatch.distribute._upstream import keras_callbacks
+
+    if thread_safe_backend:
+        monkeypatch.setattr(keras_callbacks.BACKEND_THREAD_SAFE_FLAG, True)
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    model = build_under(strategy, cost_model)
+    dispatch = {}
+    for name, extra in (("without", []), ("with", [hb.DynamicBatching(
+            initial="uniform", warmup_steps=2, interval=3)])):
+        # Keras's own CallbackList, as fit makes it (fit uses one it is given).
+        callbacks = keras.callbacks.CallbackList(extra, add_history=True, model=model)
+        dispatch[name] = keras_callbacks.async_train_dispatch(callbacks)
+        model.fit(cost_dataset(), steps_per_epoch=14, epochs=2, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+    callback = extra[0]
+    assert dispatch["with"] == dispatch["without"] == thread_safe_backend
+    # It measured meanwhile: a window every 3 steps after the 2 of warm-up, across the
+    # epoch boundary, each with its step time.
+    assert [w["step"] for w in callback.windows] == list(range(5, 29, 3)), callback.windows
+    assert all(w["step_time"] > 0 for w in callback.windows), callback.windows
+
+
 def test_explicit_initial_sizes_are_applied(cpus):
     x, y = regression_data()
     strategy = hb.HeteroMirroredStrategy(cpus[:3])

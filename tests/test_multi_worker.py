@@ -364,13 +364,25 @@ def test_layout_dynamic_batching_moves_samples_from_a_slow_replica(tmp_path):
     # controller moves samples to both replicas of worker 1, per replica; still exact. 120
     # steps: alone the rule moves at step 20-26, but beside the suite's other clusters its
     # models were once not sure within 60 steps (one search step of 1 sample by the end).
+    # A window's end issues no collective: every worker holds the same sums (they travelled
+    # in the steps' all-reduce) and switches at a step it computes itself. Counted on every
+    # worker over DynamicBatching's hooks after `on_train_begin` (the windows, the switches):
+    # collectives TensorFlow executed eagerly, and calls into the strategy's gathers; the
+    # same counters see the one gather run after fit.
     outputs = run_cluster(tmp_path, 2, "--layout", "1,2", "--slow-replica", "0",
-                          "--dynamic", "model", "--n", "3840", "--epochs", "1")
+                          "--dynamic", "model", "--n", "3840", "--epochs", "1",
+                          "--count-window-collectives")
     sizes = outputs[0][1]["batch_sizes"]
     assert all(info["batch_sizes"] == sizes for _, info in outputs)
     history = outputs[0][1]["dynamic"]
     assert history[0]["new"] == [11, 11, 10], history
     assert sizes[0] < 11 and sizes[1] > 11 and sizes[2] > 10, history
+    assert all(info["dynamic"] == history for _, info in outputs)
+    assert len(outputs[0][1]["windows"]) >= 10
+    for _, info in outputs:
+        counted = info["window_collectives"]
+        assert counted["control"] >= 1, counted
+        assert counted["eager"] == 0 and counted["entries"] == [], counted
     assert_every_worker_equals(reference_run(n=3840, epochs=1)[0], outputs)
 
 

@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_hetbatch as hb  # noqa: E402
+from collective_count import EagerCollectives  # noqa: E402
 from helpers import OutOfMemoryAbove  # noqa: E402
 from tf_hetbatch.distribute.multi_worker import DEFAULT_SWITCH_MARGIN  # noqa: E402
 
@@ -247,6 +248,59 @@ def collectives_of(train_function):
     return {"per_step": inside, "per_execution": outside, "step_keys": step_keys}
 
 
+# The strategy's own Python entry points into cross-worker communication: all go through the
+# topology's `gather`. (Stock `reduce` and the like, which Keras also calls while tracing its
+# steps, are seen by the eager count instead.)
+_ENTRY_POINTS = ("gather_replica_values", "part_capacities", "check_input_agreement")
+
+
+def count_window_collectives(dynamic, strategy):
+    """Counts the collectives DynamicBatching issues after its `on_train_begin` (the window
+    ends; the static split at the start may need one): those TensorFlow executes eagerly
+    (`EagerCollectives`) and the calls into the strategy's communicating methods. Returns
+    {"eager": EagerCollectives, "entries": [names called]}; wraps this one instance."""
+    eager, entries = EagerCollectives(), []
+    active = [False]
+
+    def counted(owner, name):
+        method = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            if active[0]:
+                entries.append(name)
+            return method(*args, **kwargs)
+        setattr(owner, name, call)
+
+    for name in _ENTRY_POINTS:
+        counted(strategy, name)
+    counted(strategy._topology, "gather")
+
+    def watched(name):
+        hook = getattr(dynamic, name)
+
+        def call(*args, **kwargs):
+            active[0] = True
+            try:
+                with eager.counting():
+                    return hook(*args, **kwargs)
+            finally:
+                active[0] = False
+        setattr(dynamic, name, call)
+
+    for name in ("on_epoch_begin", "on_train_batch_begin", "on_test_begin", "on_epoch_end",
+                 "on_train_end", "get_state"):
+        watched(name)
+    return {"eager": eager, "entries": entries}
+
+
+def control_collectives(strategy):
+    """The same counters around one `gather_replica_values` (a collective): they see it."""
+    eager = EagerCollectives()
+    with eager.counting():
+        strategy.gather_replica_values(np.zeros(strategy.num_local_replicas))
+    return eager.count
+
+
 def limits(text):
     """"0,9" -> [None, 9]: per-replica micro-batch limits, 0 for no bound."""
     return [int(v) or None for v in text.split(",")]
@@ -294,6 +348,8 @@ def main():
                         help="this replica computes more (ReplicaWork)")
     parser.add_argument("--dynamic", default="", choices=["", "model", "proportional"],
                         help="DynamicBatching(initial='uniform') with this controller")
+    parser.add_argument("--count-window-collectives", action="store_true",
+                        help="count the collectives DynamicBatching issues after the start")
     parser.add_argument("--stock-worker", type=int, default=-1,
                         help="this worker creates a stock MultiWorkerMirroredStrategy (it never "
                         "publishes its devices); the others wait 2 s for it")
@@ -339,6 +395,9 @@ def main():
         dynamic = hb.DynamicBatching(initial="uniform", controller=args.dynamic, warmup_steps=8,
                                      interval=6)
         callbacks.append(dynamic)
+    window_collectives = None
+    if args.count_window_collectives:
+        window_collectives = count_window_collectives(dynamic, strategy)
     if args.switch_step:
         switch = SwitchAt(strategy, args.switch_step, [int(s) for s in args.switch_sizes.split(",")])
         callbacks.append(switch)
@@ -411,6 +470,12 @@ def main():
                             validation_data=validation)
     if args.refit_batch:
         model.fit(source(columns).batch(args.refit_batch), epochs=1, verbose=0)
+    counted = None
+    if window_collectives is not None:
+        eager = window_collectives["eager"]
+        counted = {"eager": eager.count, "eager_calls": eager.calls,
+                   "entries": window_collectives["entries"],
+                   "control": control_collectives(strategy)}
     index = strategy.cluster_resolver.task_id
     os.makedirs(args.out, exist_ok=True)
     np.savez(
@@ -436,6 +501,7 @@ def main():
                 "collectives": collectives_of(model.train_function),
                 "calls": sink.calls,
                 "micro_batch_limits": strategy.micro_batch_limits,
+                "window_collectives": counted,
             },
             f,
         )

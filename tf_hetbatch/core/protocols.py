@@ -73,7 +73,9 @@ class SplitStrategy(Protocol):
         """Whether this process writes logs, dashboards and checkpoints."""
 
     def set_batch_sizes(self, sizes: Sequence[int]) -> None:
-        """Sets the split from now on (collective in synchronous multi-worker training)."""
+        """Sets the split from now on. Synchronous multi-worker training: call it at the same
+        point on every worker with the same sizes; no collective once a step was trained
+        (the switch step is the steps trained plus a margin), one before."""
 
     def read_replica_times(self, reset: bool = False) -> "ReplicaTimes":
         """Per-part compute seconds, samples and steps so far, and in synchronous training

@@ -161,6 +161,9 @@ class Allocation:
             self.skip = variable(tf.constant(0, tf.int64), "hetbatch_skip_batches")
             # Whether the current iterator has produced a short batch (one that must be last).
             self.short_seen = variable(tf.constant(False), "hetbatch_short_batch_seen")
+        # The value of `trained` before this process trained a step (0, or as `resume_at` set
+        # it): a larger value proves every worker trained a step, so produced a batch.
+        self.first_step = 0
         self._next_slot = 1
         self._installed = 0
 

@@ -55,11 +55,18 @@ class HeteroMultiWorkerMirroredStrategy(HeteroMixin, tf.distribute.MultiWorkerMi
     worker); with uneven replica counts, shard by the worker's replicas, not evenly.
 
     It implements `tf_hetbatch.core.protocols.SynchronousSplitStrategy`. Collectives:
-    `set_batch_sizes`, `read_replica_times`, `read_replica_times_and_gather`,
     `gather_replica_values`, `part_capacities` and `check_input_agreement` talk to all
-    workers, so every worker must call them at the same point (a callback does). A new split
-    takes effect on every worker at the same training step, `switch_margin` steps after the
-    call (at once if no worker has read any data yet).
+    workers, so every worker must call them at the same point (a callback does).
+    `read_replica_times` is local: every step's all-reduce brought every replica's
+    measurements to every worker. `set_batch_sizes` must be called on every worker at the
+    same point with the same sizes: a new split takes effect on every worker at the same
+    training step, `switch_margin` steps after the call, a step each worker computes from the
+    steps trained (no collective); only before the first step this process trains do the
+    workers ask each other (one small collective) whether any has read data yet (if none has,
+    the split applies at once). So a `Balancer` or `DynamicBatching`, which calls it at the
+    same step on every worker with the split the same measurements gave, issues no collective
+    at a window end. Sizes that differ between workers are not detected there (they would
+    split a batch differently); `check_input_agreement` finds the result.
 
     Keras 3 `fit` works without patching Keras: its two multi-worker crashes (a reduce of the
     data batch in its symbolic build, and axis=0 reduces of scalar logs) pass through this

@@ -107,6 +107,10 @@ class HeteroMixin(micro_batches.LimitsMixin):
         (an earlier `fit`'s, a controller's) meets training data batched by another size
         re-made in its proportions.
 
+        Several workers: call it on every worker at the same point with the same sizes; the
+        split switches on all of them `switch_margin` steps later, with no collective once a
+        step was trained (see `HeteroMultiWorkerMirroredStrategy`).
+
         Args:
             sizes: one non-negative int per replica, in replica order.
 
@@ -163,6 +167,7 @@ class HeteroMixin(micro_batches.LimitsMixin):
         steps_trained = _validate.check_int("steps_trained", steps_trained, 0, fix)
         skip_batches = _validate.check_int("skip_batches", skip_batches, 0, fix)
         self._allocation.trained.assign(steps_trained)
+        self._allocation.first_step = steps_trained
         self._allocation.skip.assign(skip_batches)
 
     # ----------------------------------------------------------------- timing ------------------
@@ -307,8 +312,8 @@ class HeteroMixin(micro_batches.LimitsMixin):
         """Checks that every worker has trained the same global batches so far.
 
         Several workers: one small collective (call it on every worker at the same point);
-        every `gather_replica_values`, `read_replica_times` and `set_batch_sizes` checks the
-        same on the way. One host: nothing to check.
+        every `gather_replica_values` (and a `set_batch_sizes` before the first trained step)
+        checks the same on the way. One host: nothing to check.
 
         Raises:
             RuntimeError: the workers' input pipelines produced different global batches

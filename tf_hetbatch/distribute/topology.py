@@ -9,8 +9,9 @@ strategy holds:
 - `Workers` (`HeteroMultiWorkerMirroredStrategy`): each worker holds the replicas of its
   `DeviceLayout` entry, replicas offset .. offset + count - 1. Every global batch is keyed by
   the step it is trained in, and a new split starts `switch_margin` steps ahead on every
-  worker; gathers are one collective (which also compares the workers' fingerprints of the
-  global batches they trained); a shuffle seed is agreed; a step's totals come from each
+  worker (computed locally once a step was trained: no collective at a switch); gathers are
+  one collective (which also compares the workers' fingerprints of the global batches they
+  trained); a shuffle seed is agreed; a step's totals come from each
   worker's pipeline (it sees every global batch); a replica's step starts at its release by
   the previous all-reduce, so each worker's own work between steps counts (see `timing`).
 """
@@ -181,14 +182,35 @@ class Workers:
         return totals[0], totals[1]
 
     def _switch_start(self) -> int:
+        """The step a split installed now starts at, the same on every worker.
+
+        Once this process has trained a step under the strategy, every worker has (a step's
+        all-reduce runs on all of them), so every worker has produced a global batch: the
+        split starts `switch_margin` steps after the steps trained, computed locally. The
+        steps trained are the same on every worker at a call made at the same point, so the
+        workers agree by construction and no collective runs: a controller's switch at a
+        window end costs no communication. Before this process's first trained step (a split
+        set before training, e.g. the static split at the start of `fit`), whether a worker
+        has produced a batch yet differs per worker (its pipeline may have started), so the
+        workers ask each other in one small collective: if none has, the split applies from
+        the first batch.
+        """
+        trained = int(self.allocation.trained.numpy())
+        if trained > self.allocation.first_step:
+            return trained + self.switch_lag_steps
         produced = int(self.allocation.produced.numpy())
         if self.gather(self._every_local_replica(produced)).max() == 0:
             return 0  # no worker has produced a batch yet: the split applies from the first
-        return int(self.allocation.trained.numpy()) + self.switch_lag_steps
+        return trained + self.switch_lag_steps
 
     def install(self, sizes) -> None:
-        """Installs `sizes` from the step `switch_margin` ahead, on every worker (a collective:
-        every worker calls it at the same point)."""
+        """Installs `sizes` from the step `switch_margin` ahead, on every worker.
+
+        Every worker calls it at the same point with the same sizes (a callback, a balancer
+        at a window end: the same measurements give the same split on every worker). After
+        this process's first trained step it is local (no collective, see `_switch_start`);
+        before it, one small collective.
+        """
         start = self._switch_start()
         self.allocation.install(sizes, start)
         last_key = int(self.allocation.last_key.numpy())

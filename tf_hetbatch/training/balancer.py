@@ -18,11 +18,18 @@ calls them itself; a custom training loop calls them directly:
         train_step(batch)         # strategy.run(...) of one global batch
         balancer.step_end()
 
-Multi-worker: `read_replica_times`, `gather_replica_values` and `set_batch_sizes` are
-collectives there. The balancer calls them at the same steps on every worker, with no
-chief-only branch around them; the controllers are deterministic, so every worker computes
-the same split from the same gathered measurements. Only writing (dashboards, the PNG) and
-cluster-wide log lines are chief-only.
+A loop may also call `step_end` only when `steps_until_due()` steps have passed since its
+last call (with their count, or None to count them from the strategy): windows then start
+and end at the same steps, with no host work in the steps between (`DynamicBatching` does so).
+
+Multi-worker: a window's end issues no collective. Every step's all-reduce brought every
+replica's measurements to every worker (`read_replica_times` is local), so every worker reads
+the same sums at the same step, runs the same deterministic controller on them and calls
+`set_batch_sizes` with the same split at the same step, which switches every worker at the
+same later step with no communication. Collectives remain only where the workers' values
+differ: the static split's `part_capacities` (each worker's devices) and a split set before
+the first trained step (whether a worker's pipeline has started). Only writing (dashboards,
+the PNG) and cluster-wide log lines are chief-only.
 
 It coordinates collaborators with one job each: the window clock (`window_clock`), the static
 split (`static_split`), the controller (`controller_setup`, `protocols.Controller`) and the
@@ -355,9 +362,26 @@ class Balancer(tf.train.experimental.PythonState):
 
     def epoch_begin(self) -> None:
         """After a pause that is no replica's work (an epoch boundary, validation, a
-        checkpoint): the next step of each replica is timed from its inputs."""
+        checkpoint): the next step of each replica is timed from its inputs, and the window's
+        wall time restarts here. Report the steps before the pause first (`step_end`)."""
         if self._strategy is not None:
             self._strategy.restart_step_clock()
+        if self._clock is not None:
+            self._clock.batch_begin()
+
+    @property
+    def steps_since_begin(self) -> int:
+        """Training steps reported by `step_end` since the last `begin` (0 before it)."""
+        return 0 if self._clock is None else self._clock.fit_step
+
+    def steps_until_due(self) -> int:
+        """Steps (>= 1) after the last `step_end` until the next one that can start or end a
+        window: a loop may skip the calls in between and report their steps at once (then
+        windows start and end at the same steps, and no host work runs between them).
+        Before `begin`: 1."""
+        if not self._begun or self._clock is None:
+            return 1
+        return self._clock.steps_due(self._window_length())
 
     def step_begin(self) -> None:
         """Optional: stamps a step's (or block's) start for the window's step time; without
@@ -382,10 +406,10 @@ class Balancer(tf.train.experimental.PythonState):
         else:
             steps = check_int("steps", steps, 0, "the steps the call covers, e.g. steps=1.")
             self._steps()  # keep the strategy's count in step
+        if steps == 0:
+            return  # nothing trained since the last call (a pause is no step's time)
         self._global_step += steps
-        length = self.interval if self._static_done \
-            else self._static.first_window_length(self.interval)
-        measured = self._clock.batch_end(steps, length)
+        measured = self._clock.batch_end(steps, self._window_length())
         if measured is not None:
             self._use_window(measured)
         self._clock.batch_begin()
@@ -396,6 +420,10 @@ class Balancer(tf.train.experimental.PythonState):
         if board is not None:
             board.close()
         self._begun = False
+
+    def _window_length(self) -> int:
+        return self.interval if self._static_done \
+            else self._static.first_window_length(self.interval)
 
     # ------------------------------------------------------------------ the static split --
     @property
@@ -511,7 +539,9 @@ class Balancer(tf.train.experimental.PythonState):
 
     def _set_sizes(self, strategy, sizes):
         in_effect = strategy.batch_sizes  # the even split until sizes were set
-        strategy.set_batch_sizes(list(sizes))  # a collective, on every worker
+        # On every worker at the same step with the same sizes: no collective once a step
+        # was trained (see HeteroMultiWorkerMirroredStrategy).
+        strategy.set_batch_sizes(list(sizes))
         if in_effect is None or tuple(in_effect) != tuple(sizes):
             self._change_step = self._global_step
         self._sizes = tuple(int(v) for v in sizes)

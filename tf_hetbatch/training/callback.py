@@ -32,11 +32,22 @@ class DynamicBatching(keras.callbacks.Callback):
     whole global batch.
 
     `on_train_begin` begins the balancer (the static split, or the split of an earlier
-    `fit` or of `set_state`, re-made in its proportions for data batched by another size),
-    each `on_train_batch_end` ends a step (with `steps_per_execution=n`, n steps: windows
-    count steps), `on_epoch_begin` restarts the replicas' step clocks, `on_train_end` closes
-    the dashboards. The order of events and the windows are the `Balancer`'s; the same
-    measurements always give the same split, on every worker.
+    `fit` or of `set_state`, re-made in its proportions for data batched by another size);
+    the balancer hears of the steps only where it acts: `on_train_batch_begin` compares the
+    step Keras is at with the next step the balancer is due at (`Balancer.steps_until_due`:
+    a window's start or end) and reports the steps trained only there (with
+    `steps_per_execution=n`, at the first execution boundary at or after it), and the epoch's
+    last steps are reported when it ends (before validation); `on_epoch_begin` restarts the
+    replicas' step clocks, `on_train_end` closes the dashboards. The order of events and the
+    windows are the `Balancer`'s; the same measurements always give the same split, on every
+    worker, and a window's end issues no collective.
+
+    Cost per step: none beyond comparing two integers. It has no `on_train_batch_end`, so
+    it leaves Keras's callback dispatch as it is without it: on a backend Keras dispatches
+    batch ends asynchronously, it still does (Keras 3 turns that off for a callback with a
+    batch-end hook; on TensorFlow, Keras 3.15 dispatches every callback list synchronously,
+    tensorflow/tensorflow#78338). One process measures its step time as the wall time from a
+    window's start to its end, validation and the pauses at epoch boundaries excluded.
 
     Args:
         initial, controller, min_sizes, max_sizes, warmup_steps, interval, probe_steps,
@@ -87,6 +98,9 @@ class DynamicBatching(keras.callbacks.Callback):
             initial=initial, controller=controller, min_sizes=min_sizes, max_sizes=max_sizes,
             warmup_steps=warmup_steps, interval=interval, probe_steps=probe_steps,
             log_dir=log_dir, verbose=verbose)
+        self._in_fit = False
+        self._due_at = 0  # the fit step at which the balancer next acts
+        self._epoch_base = 0  # the fit steps before this epoch's first
 
     # ------------------------------------------------------------------ the balancer's ----
     def __getattr__(self, name):
@@ -117,7 +131,9 @@ class DynamicBatching(keras.callbacks.Callback):
         return self.balancer.windows
 
     def get_state(self) -> Dict[str, Any]:
-        """The balancer's state as a JSON-serialisable dict (`Balancer.get_state`)."""
+        """The balancer's state as a JSON-serialisable dict (`Balancer.get_state`), with
+        every step trained so far reported to it (in `fit`, e.g. a checkpoint's)."""
+        self._report_steps()
         return self.balancer.get_state()
 
     def set_state(self, state: Mapping[str, Any]) -> None:
@@ -143,21 +159,46 @@ class DynamicBatching(keras.callbacks.Callback):
         return cls(**config_with_controller(config, custom_objects))
 
     # ------------------------------------------------------------------ Keras hooks -------
+    # No batch-end hook: Keras would dispatch batch ends synchronously for it (see above).
     def on_train_begin(self, logs=None):
         self.balancer.begin(hetero_strategy_of(self.model, "DynamicBatching"))
+        self._in_fit = True
+        self._epoch_base = 0
+        self._due_at = self.balancer.steps_until_due()
 
     def on_epoch_begin(self, epoch, logs=None):
-        # Validation and the epoch boundary are not a replica's work: restart the step clock.
+        # Validation and the epoch boundary are not a replica's work: restart the step clock
+        # (and the window's wall time). Every earlier step was reported at the epoch's end.
+        self._report_steps()
+        self._epoch_base = self.balancer.steps_since_begin
         self.balancer.epoch_begin()
 
     def on_train_batch_begin(self, batch, logs=None):
-        self.balancer.step_begin()
+        # Keras's `batch` is the execution's first step in the epoch: the steps of the epoch
+        # trained so far (only an epoch's last execution can be short).
+        if self._epoch_base + batch >= self._due_at:
+            self._report_steps()
 
-    def on_train_batch_end(self, batch, logs=None):
-        self.balancer.step_end()  # the steps the call covers, with steps_per_execution
+    def on_test_begin(self, logs=None):
+        # Validation inside `fit`: the epoch's steps end here, before the pause.
+        self._report_steps()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._report_steps()
 
     def on_train_end(self, logs=None):
+        self._report_steps()
+        self._in_fit = False
         self.balancer.end()
+
+    def _report_steps(self):
+        """Reports the steps trained since the last report (counted by the strategy), where
+        the balancer may start or end a window; then when it is due next."""
+        if not self._in_fit:
+            return
+        balancer = self.balancer
+        balancer.step_end()  # none trained since the last report: nothing happens
+        self._due_at = balancer.steps_since_begin + balancer.steps_until_due()
 
 
 _DELEGATED = frozenset({"initial", "controller", "min_sizes", "max_sizes", "warmup_steps",

@@ -1,9 +1,9 @@
-"""The window clock of `DynamicBatching`: which steps are measured, and what.
+"""The window clock of a `Balancer`: which steps are measured, and what.
 
 A window clock per `fit`: the first `warmup_steps` steps (tracing; in asynchronous training
 also until every worker finished 2 updates) are not measured; then each window counts
-training steps (several per Keras call with `steps_per_execution`) and ends at the first
-call at least `length` steps after it started. At its end the strategy's per-part
+training steps (several per call: Keras's `steps_per_execution`, or a loop that reports only
+when `steps_due` says) and ends at the first call at least `length` steps after it started. At its end the strategy's per-part
 measurements over the window are read: in synchronous training with the cluster's mean step
 time (one process holding every replica: its own wall clock; several workers: the cycles
 carried in the steps' all-reduce, `ReplicaTimes.step_time`, so every worker reads the same
@@ -38,7 +38,8 @@ class WindowMeasurement:
     Attributes:
         steps: training steps in the window.
         times: the strategy's per-part measurements over the window.
-        step_time: this process's mean wall seconds per step (from Keras's batch hooks).
+        step_time: this process's mean wall seconds per step: the wall time from each
+            call (or `batch_begin`) to the next, over the window's steps.
         cluster_step_time: synchronous training: the cluster's mean step, the same on every
             worker (one process: `step_time`; several: `ReplicaTimes.step_time`); None in
             asynchronous training, or where no cycle was measured.
@@ -54,7 +55,7 @@ class WindowMeasurement:
 
 
 class WindowClock:
-    """The window clock of one fit, fed by the Keras batch hooks.
+    """The window clock of one fit, fed by the loop's calls (`batch_end`).
 
     Args:
         strategy: the fit's tf_hetbatch strategy.
@@ -73,12 +74,27 @@ class WindowClock:
 
     def begin(self) -> None:
         """After the static split is applied: without a warm-up the first window starts now
-        (a collective in multi-worker training)."""
+        (a local read: no collective)."""
         if self._warmup_steps == 0 and self._warm_base is None:
             self._start()
 
+    @property
+    def fit_step(self) -> int:
+        """Steps reported since the clock was made (this fit's)."""
+        return self._fit_step
+
+    def steps_due(self, length: int) -> int:
+        """Steps (>= 1) until the next call that can start or end a window (windows of
+        `length` steps); a call before then only counts steps. Asynchronous training: 1 (its
+        warm-up waits for every worker's updates, which only a call can see)."""
+        if self._measuring:
+            return max(length - self._steps, 1)
+        if self._warm_base is not None:
+            return 1
+        return max(self._warmup_steps - self._fit_step, 1)
+
     def batch_begin(self) -> None:
-        """`on_train_batch_begin`: stamps the call's start."""
+        """Stamps the start of the next call's steps (after a pause that is no step's)."""
         self._batch_start = time.perf_counter()
 
     def batch_end(self, steps: int, length: int) -> Optional[WindowMeasurement]:

@@ -1,8 +1,8 @@
 """The quarantine: every use of private TensorFlow/Keras API, every upstream workaround.
 
 One module per upstream topic (`versions`, `autograph`, `collectives`, `keras_trainer`,
-`keras_callers`, `keras_losses`, `metrics`, `tf_data`, `iterators`, `coordination`,
-`ps_coordinator`, `device_layout`, `clock`), each with its canary tests in
+`keras_callbacks`, `keras_callers`, `keras_losses`, `metrics`, `tf_data`, `iterators`,
+`coordination`, `ps_coordinator`, `device_layout`, `clock`), each with its canary tests in
 `tests/test_upstream_<module>.py`, so an upstream change fails loudly there first. Each
 section names what it works around and the upstream issue.
 
