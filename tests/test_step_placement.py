@@ -78,3 +78,37 @@ def test_the_micro_batch_loop_counts_on_the_replica_s_host(cpus):
     for node in conditions:
         spec = tf.DeviceSpec.from_string(node.device)
         assert spec.device_type == "CPU" and timing.host_device(node.device) == node.device
+
+
+def _cross_device_inputs(graph_def, into):
+    """(source device, source tensor) of the data inputs that nodes on `into` take from
+    another device."""
+    def device(name):  # "/device:CPU:0" and "/job:localhost/.../device:CPU:0" are one
+        spec = tf.DeviceSpec.from_string(name)
+        return (spec.device_type, spec.device_index) if name else None
+
+    nodes = {n.name: n for n in _all_nodes(graph_def)}
+    found = set()
+    for node in _all_nodes(graph_def):
+        if device(node.device) != device(into):
+            continue
+        for name in node.input:
+            if name.startswith("^"):
+                continue
+            source = nodes.get(name.split(":")[0])
+            if source is not None and source.device and device(source.device) != device(into):
+                found.add((source.device, name))
+    return found
+
+
+def test_the_host_all_reduce_copies_one_pack_per_replica_and_dtype(cpus):
+    # Four gradients (two Dense layers) and the timing row, all float32: each replica other
+    # than the host's own hands the host one packed tensor, not one per gradient.
+    strategy = hb.HeteroMultiWorkerMirroredStrategy(cpus[:3], all_reduce="host")
+    graph_def = _traced_step(strategy)
+    host = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0]).to_string()
+    edges = _cross_device_inputs(graph_def, host)
+    per_replica = {}
+    for device, _ in edges:
+        per_replica[device] = per_replica.get(device, 0) + 1
+    assert len(per_replica) == 2 and all(count == 1 for count in per_replica.values()), edges

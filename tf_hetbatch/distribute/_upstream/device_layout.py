@@ -234,6 +234,14 @@ def _per_local_replica(value, devices):
     return _values.PerReplica(tuple(value for _ in devices))
 
 
+def _same_device(a: str, b: str) -> bool:
+    """Whether two device names name one device (fields only one of them names match any)."""
+    a, b = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+    return all(x is None or y is None or x == y for x, y in (
+        (a.job, b.job), (a.replica, b.replica), (a.task, b.task))) and (
+        (a.device_type, a.device_index or 0) == (b.device_type, b.device_index or 0))
+
+
 def _no_device(destinations):
     if isinstance(destinations, str):
         return not destinations
@@ -281,6 +289,13 @@ class HostAllReduce(_cdo.CollectiveAllReduce):
     its launcher is the one the step's static instance keys adapt (`collectives`). Reached
     only in cross-replica context (`LayoutExtended` sends replica-context all-reduces through
     `merge_call`).
+
+    Dense values of one dtype bound for the local replicas travel packed (`_packs`): each
+    replica's are flattened and concatenated on its own device, so each replica makes one copy
+    to the host and receives one back (a copy between a GPU and the host is a transfer of its
+    own: one per tensor would be one per gradient), the host sums the replicas' packs and the
+    workers all-reduce one tensor; each replica splits its copy of the sum. IndexedSlices and
+    values bound elsewhere go one by one.
     """
 
     def __init__(self, devices, host, num_workers, num_replicas, options, collective_keys):
@@ -295,17 +310,77 @@ class HostAllReduce(_cdo.CollectiveAllReduce):
 
     def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
         options = self._ring(options)
-        sums = [self._local_sum(value) for value, _ in value_destination_pairs]
+        packs = self._packs(value_destination_pairs)
+        packed = {i for pack in packs for i in pack}
+        single = [i for i in range(len(value_destination_pairs)) if i not in packed]
+        sums = [self._local_pack_sum([value_destination_pairs[i][0] for i in pack])
+                for pack in packs]
+        sums += [self._local_sum(value_destination_pairs[i][0]) for i in single]
         if self._num_workers > 1:
             sums = self._across_workers(sums, options)
-        out = []
-        for summed, (_, destinations) in zip(sums, value_destination_pairs):
-            if reduce_op == tf.distribute.ReduceOp.MEAN:
-                with tf.device(self._host):
-                    summed = _cdu.divide_by_n_tensors_or_indexed_slices(
-                        summed, self._num_replicas)
-            out.append(self._to_destinations(summed, destinations))
+        if reduce_op == tf.distribute.ReduceOp.MEAN:
+            with tf.device(self._host):
+                sums = [_cdu.divide_by_n_tensors_or_indexed_slices(summed, self._num_replicas)
+                        for summed in sums]
+        out = [None] * len(value_destination_pairs)
+        for pack, summed in zip(packs, sums):
+            for i, result in zip(pack, self._unpacked_on_replicas(
+                    summed, [value_destination_pairs[i][0] for i in pack])):
+                out[i] = result
+        for i, summed in zip(single, sums[len(packs):]):
+            out[i] = self._to_destinations(summed, value_destination_pairs[i][1])
         return out
+
+    def _packs(self, value_destination_pairs):
+        """Indices of the values that travel packed, one list per dtype (module docs)."""
+        by_dtype = {}
+        for i, (value, destinations) in enumerate(value_destination_pairs):
+            local = _per_local_replica(value, self._replica_devices).values
+            if all(isinstance(v, tf.Tensor) for v in local) and self._on_replicas(
+                    destinations):
+                by_dtype.setdefault(local[0].dtype, []).append(i)
+        return [pack for pack in by_dtype.values() if len(pack) > 1]
+
+    def _on_replicas(self, destinations):
+        if _no_device(destinations):
+            return True
+        try:
+            devices = _cdo.get_devices_from(destinations, self._canonicalize_devices)
+        except (AttributeError, ValueError):
+            return False
+        return len(devices) == len(self._replica_devices) and all(
+            _same_device(a, b) for a, b in zip(devices, self._replica_devices))
+
+    def _local_pack_sum(self, values):
+        """On the host: the sum over the local replicas of their packs of `values`."""
+        packs = []
+        for r, device in enumerate(self._replica_devices):
+            parts = [_per_local_replica(v, self._replica_devices).values[r] for v in values]
+            with tf.device(device):
+                packs.append(tf.concat([tf.reshape(t, [-1]) for t in parts], 0))
+        with tf.device(self._host):
+            return tf.add_n([tf.identity(pack) for pack in packs])
+
+    def _unpacked_on_replicas(self, summed, values):
+        """Mirrored values of `values`' shapes: `summed` copied once to each local replica and
+        split there."""
+        shapes = []
+        for value in values:
+            first = _per_local_replica(value, self._replica_devices).values[0]
+            shapes.append(first.shape if first.shape.is_fully_defined() else tf.shape(first))
+        pieces = []
+        for device in self._replica_devices:
+            with tf.device(device):
+                copy = tf.identity(summed)
+                sizes = [shape.num_elements() if isinstance(shape, tf.TensorShape)
+                         else tf.reduce_prod(shape) for shape in shapes]
+                if not all(isinstance(size, int) for size in sizes):
+                    sizes = tf.stack([tf.cast(size, tf.int64) for size in sizes])
+                pieces.append([tf.reshape(part, shape) for part, shape in
+                               zip(tf.split(copy, sizes), shapes)])
+        return [_distribute_utils.regroup([per_device[j] for per_device in pieces],
+                                          wrap_class=_values.Mirrored)
+                for j in range(len(values))]
 
     def _gather(self, per_replica_value, destinations, axis, options=None):
         local = _per_local_replica(per_replica_value, self._replica_devices)
