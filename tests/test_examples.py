@@ -158,3 +158,13 @@ def test_gpu_check_tiny_mode_on_cpu_says_what_it_skipped(tmp_path):
     assert micro["step_ms_unbounded"] > 0 and micro["step_ms_bounded"] > 0
     assert micro["max_weight_diff"] <= 1e-5
     assert "micro-batches, one host, split" in out and " micro-batches) " in out
+    # Parts 7-10 run their code paths on logical CPUs (part 9 with RING for NCCL, part 8 with
+    # the allocation injected); each says PASS, and the summary lists every checking part.
+    for part in ("determinism", "out_of_memory", "device_all_reduce", "soft_placement_off"):
+        assert found[part]["status"] == "PASS", (part, found[part])
+        assert found[part]["max_weight_diff"] <= 1e-5
+    assert found["determinism"]["bit_identical"] and min(found["determinism"]["timed_steps"]) > 0
+    oom = found["out_of_memory"]
+    assert len(oom["warnings"]) == 1 and oom["limits"] == [oom["split"][0] // 2, None]
+    assert "all-reduce device (RING)" in found["device_all_reduce"]["layout"]
+    assert "summary:" in out and "FAIL" not in out
