@@ -18,21 +18,22 @@ cycles wholly inside it, at its own split, without the host's work between two m
 (a controller's update, a switch of the split). A cycle is carried by the step after it, so
 of a measurement's L steps, L - 2 cycles count.
 
-The first step at a new per-replica shape (its samples, its micro-batch count) is timed
-neither in compute time nor in cycle (it counts its samples and step, not a timed step): that step builds what its shape needs (cuDNN autotunes
-every convolution on a GPU, oneDNN creates its primitives on a CPU, XLA and Grappler
-specialise), which the steps after it do not pay. So each change of split, each candidate of
-the step-time search and each change of micro-batch count costs its window one step; the
-first step of a run is one of them (each replica keeps its last step's shape in a host scalar).
+The first step at a new per-replica shape (its samples, its micro-batch count) is timed neither in
+compute time nor in cycle (it counts its samples and step, not a timed step): that step builds what
+its shape needs (cuDNN autotunes every convolution on a GPU, oneDNN creates its primitives on a
+CPU, XLA and Grappler specialise), which the steps after it do not pay. So each change of split,
+each candidate of the step-time search and each change of micro-batch count costs its window one
+step; the first step of a run is one of them (each replica keeps its last step's shape in a host
+scalar).
 
-The records travel in the step's gradient all-reduce: each replica adds a [K, 6] float32 table
-that is zero except its own row (compute seconds, samples, 1 step, its previous cycle's
-seconds, 1 if it had one, 1 if the step is timed), so the sum, the same on every replica of every worker and exact
-(each entry is one value plus zeros), holds every replica's row. Every replica adds the sum to
-its copy of one ON_READ float64 [K, 6] variable; Python reads this process's first copy between
-steps (`HeteroMirroredStrategy.read_replica_times`): every worker reads the whole cluster's
-measurements without a collective of its own. The stamps and the records are side ops: no part
-of the step waits for them; the table adds K * 6 floats to the all-reduce.
+The records travel in the step's gradient all-reduce: each replica adds a [K, 6] float32 table that
+is zero except its own row (compute seconds, samples, 1 step, its previous cycle's seconds, 1 if it
+had one, 1 if the step is timed), so the sum, the same on every replica of every worker and exact
+(each entry is one value plus zeros), holds every replica's row. Every replica adds the sum to its
+copy of one ON_READ float64 [K, 6] variable; Python reads this process's first copy between steps
+(`HeteroMirroredStrategy.read_replica_times`): every worker reads the whole cluster's measurements
+without a collective of its own. The stamps and the records are side ops: no part of the step waits
+for them; the table adds K * 6 floats to the all-reduce.
 
 A step compiled by XLA (`model.compile(jit_compile=True)`: Keras traces the strategy's whole
 `run` inside `tf.function(jit_compile=True)`) takes no stamps: the host clock cannot be read

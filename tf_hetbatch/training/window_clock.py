@@ -1,13 +1,13 @@
 """The window clock of a `Balancer`: which steps are measured, and what.
 
-A window clock per `fit`: the first `warmup_steps` steps (tracing; in asynchronous training
-also until every worker finished 2 updates) are not measured; then each window counts
-training steps (several per call: Keras's `steps_per_execution`, or a loop that reports only
-when `steps_due` says) and ends at the first call at least `length` steps after it started. At its end the strategy's per-part
-measurements over the window are read: in synchronous training with the cluster's mean step
-time (one process holding every replica: its own wall clock; several workers: the cycles
-carried in the steps' all-reduce, `ReplicaTimes.step_time`, so every worker reads the same
-value without a collective); in asynchronous training with the workers' staleness.
+A window clock per `fit`: the first `warmup_steps` steps (tracing; in asynchronous training also
+until every worker finished 2 updates) are not measured; then each window counts training steps
+(several per call: Keras's `steps_per_execution`, or a loop that reports only when `steps_due`
+says) and ends at the first call at least `length` steps after it started. At its end the
+strategy's per-part measurements over the window are read: in synchronous training with the
+cluster's mean step time (one process holding every replica: its own wall clock; several workers:
+the cycles carried in the steps' all-reduce, `ReplicaTimes.step_time`, so every worker reads the
+same value without a collective); in asynchronous training with the workers' staleness.
 
 Multi-worker: the clock counts steps, which are the same on every worker, so every worker
 starts and ends each window at the same step and reads the same measurements.
