@@ -384,13 +384,18 @@ class OutOfMemoryInUpdate(keras.optimizers.Adam):
         return super().update_step(gradient, variable, learning_rate)
 
 
-def test_out_of_memory_after_the_update_gate_is_raised_not_run_again(cpus, caplog):
+@pytest.mark.parametrize("replicas", [3, 1])
+def test_out_of_memory_after_the_update_gate_is_raised_not_run_again(cpus, caplog, replicas):
     # Past the gate part of the update may be applied (here: the step count, and any variable
-    # updated before the kernel): running the step again would apply it twice.
+    # updated before the kernel): running the step again would apply it twice. One replica:
+    # its batch is not cut, so no step closes the gate.
     x, y = regression_data(n=320)
-    strategy = hb.HeteroMirroredStrategy(cpus[:3])
-    strategy.set_batch_sizes(SPLIT)
-    strategy.set_micro_batch_limits([None, 12, None])
+    devices = cpus[:3] if replicas == 3 else cpus[1:2]
+    strategy = hb.HeteroMirroredStrategy(devices)
+    limits = [None, 12, None][:replicas]
+    if replicas == 3:
+        strategy.set_batch_sizes(SPLIT)
+    strategy.set_micro_batch_limits(limits)
     with strategy.scope():
         model = bounded_model()
         kernel = model.layers[0].kernel.path  # the replicas' copies: "<path>/replica_1:0"
@@ -398,11 +403,11 @@ def test_out_of_memory_after_the_update_gate_is_raised_not_run_again(cpus, caplo
                       loss="mse")
     with caplog.at_level("WARNING", logger="tf_hetbatch.distribute.out_of_memory"):
         with pytest.raises(tf.errors.ResourceExhaustedError,
-                           match=r"^Replica 1 ran out of memory after its gradients were ready.*"
-                                 r"not run again.*Fix:.*OOM when allocating"):
+                           match=rf"^Replica {min(replicas, 2) - 1} ran out of memory where its "
+                                 r"step cannot run again.*Fix:.*OOM when allocating"):
             model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     assert "ran out of memory" not in caplog.text  # no bound lowered, no step run again
-    assert strategy.micro_batch_limits == (None, 12, None)
+    assert strategy.micro_batch_limits == tuple(limits)
 
 
 def batch_norm_model(seed=1):

@@ -21,8 +21,9 @@ its concatenation, output and split take 2-3x their bytes) and the optimizer upd
 variables one by one: a failure there may have applied part of the update, on some replicas,
 and may have aborted the collective for good. Such a step is never run again (it would apply
 the applied part twice, and the replicas' copies would drift): its error is raised, naming the
-replica and the fix (free that memory: a lower micro-batch bound does not shrink it). The
-gate's cost: one assign of a host boolean per guarded step.
+replica and the fix (free that memory: a lower micro-batch bound does not shrink it). A step
+that never closes the gate (its batch is not cut: one replica) cannot tell where it failed, and
+is not run again either. The gate's cost: one assign of a host boolean per guarded step.
 
 Several workers: the other workers' replicas are waiting in the step's all-reduce when one
 worker's replica fails before its gate. The failing worker joins that all-reduce with a
@@ -112,7 +113,9 @@ class UpdateGate:
 
     def __init__(self, device: str):
         with tf.init_scope(), tf.device(device):
-            self.variable = tf.Variable(False, trainable=False, name="hetbatch_update_gate")
+            # Open until a step closes it: a step that never does (no replica's batch to cut,
+            # e.g. one replica, whose data is not split) cannot tell where it failed.
+            self.variable = tf.Variable(True, trainable=False, name="hetbatch_update_gate")
 
     def close(self):
         """At the step's start (cross-replica context)."""
@@ -317,10 +320,11 @@ def _after_gate(strategy, error) -> tf.errors.ResourceExhaustedError:
     replica = replica_of_error(strategy, error)
     who = "A replica" if replica is None else f"Replica {replica}"
     return tf.errors.ResourceExhaustedError(error.node_def, error.op, (
-        f"{who} ran out of memory after its gradients were ready, in the step's all-reduce or "
-        "the optimizer's update: part of the update may be applied, so the step is not run "
-        "again, and a lower micro-batch bound would not help (that memory does not grow with "
-        "the batch). Fix: free that much memory on the device (no other process on it, a "
+        f"{who} ran out of memory where its step cannot run again: after its gradients were "
+        "ready, in the step's all-reduce or the optimizer's update (part of the update may be "
+        "applied; a lower micro-batch bound would not help: that memory does not grow with "
+        "the batch), or in a step the strategy does not cut into micro-batches (one replica). "
+        "Fix: free that much memory on the device (no other process on it, a "
         "smaller model or optimizer state, or micro-batch bounds from "
         "hb.probe_micro_batch_limits, which leave room for the all-reduce), then resume from "
         "the last checkpoint. TensorFlow's error: " + _oom_line(error)))
