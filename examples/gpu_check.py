@@ -65,6 +65,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -803,26 +804,39 @@ def main(argv=None):
     if not num_gpus:  # part 8's injection: refused at once (oneDNN's allocator waits 10 s)
         os.environ.setdefault("TF_ONEDNN_USE_SYSTEM_ALLOCATOR", "true")
     workdir = tempfile.mkdtemp(prefix="tf_hetbatch_gpu_check_")
-    # Processes of their own first, before this one takes GPU memory. Part 4 alone (it
-    # measures speeds); parts 7 and 10 beside part 9.
-    results = {"tensorflow": tf.__version__, "gpus": num_gpus,
-               "two_workers": two_workers(args, num_gpus, workdir)}
-    started = [start_isolated(name, args, workdir) for name in ISOLATED]
-    results["device_all_reduce"] = device_all_reduce_workers(args, num_gpus, workdir)
-    results["determinism"], results["soft_placement_off"] = map(finish_isolated, started)
-    devices = set_up_devices(num_gpus)
-    judge(results, num_gpus, args)
-    results["memory_bounds"] = probe_memory(devices, args)
-    results["devices"] = measure_devices(devices, args)
-    results["one_host"] = one_host(devices, args)
-    results["micro_batches"] = micro_batches(devices, results["one_host"]["exact_split"], args)
-    results["jit"] = jit_fit(num_gpus, args) if num_gpus else None
-    # Last: on GPUs it fills one, and this process's allocator keeps what it took.
-    results["out_of_memory"] = out_of_memory(devices, num_gpus, results["memory_bounds"], args)
-    print_table(results, args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    results = {"tensorflow": tf.__version__, "gpus": num_gpus}
+    started = []
+    try:
+        # Processes of their own first, before this one takes GPU memory. Part 4 alone (it
+        # measures speeds); parts 7 and 10 beside part 9.
+        results["two_workers"] = two_workers(args, num_gpus, workdir)
+        started = [start_isolated(name, args, workdir) for name in ISOLATED]
+        results["device_all_reduce"] = device_all_reduce_workers(args, num_gpus, workdir)
+        results["determinism"], results["soft_placement_off"] = map(finish_isolated, started)
+        devices = set_up_devices(num_gpus)
+        judge(results, num_gpus, args)  # reads the weights the processes saved in workdir
+        results["memory_bounds"] = probe_memory(devices, args)
+        results["devices"] = measure_devices(devices, args)
+        results["one_host"] = one_host(devices, args)
+        results["micro_batches"] = micro_batches(devices, results["one_host"]["exact_split"],
+                                                 args)
+        results["jit"] = jit_fit(num_gpus, args) if num_gpus else None
+        # Last: on GPUs it fills one, and this process's allocator keeps what it took.
+        results["out_of_memory"] = out_of_memory(devices, num_gpus, results["memory_bounds"],
+                                                 args)
+        print_table(results, args)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    finally:
+        for process, _ in started:  # not left running if a part raised
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        if any(isinstance(r, dict) and r.get("status") == "FAIL" for r in results.values()):
+            print(f"The logs of the parts' processes: {workdir}")  # a FAIL names its log
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

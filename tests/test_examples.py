@@ -16,10 +16,10 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import fashion_mnist  # noqa: E402
 
 
-def run(args, timeout):
+def run(args, timeout, env=None):
     proc = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        env=None if env is None else {**os.environ, **env})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -130,8 +130,11 @@ def test_gpu_check_tiny_mode_on_cpu_says_what_it_skipped(tmp_path):
     # No GPU here: the check runs its mechanisms on logical CPUs (one host of 2; two workers
     # hosting 1 and 2, the host all-reduce forced) and says which GPU parts it skipped.
     results = tmp_path / "gpu_check.json"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     out = run(["examples/gpu_check.py", "--steps", "4", "--filters", "8", "--out",
-               str(results)], timeout=420)
+               str(results)], timeout=420, env={"TMPDIR": str(scratch)})
+    assert not glob.glob(str(scratch / "tf_hetbatch_gpu_check_*"))  # its work files removed
     assert "0 GPU(s)" in out and "No GPU here: skipped the GPU devices" in out
     assert "two workers: 2 workers: [1 CPU] [2 CPU]; 3 replicas; all-reduce host (RING)" in out
     with open(results) as f:
