@@ -243,10 +243,14 @@ def _timed_gradients(step, grads):
     (`timing`) waits in `step.timing_row` for the step's first all-reduce.
 
     The all-reduce waits for the stamp only (taken once the gradients are there): timing adds
-    no barrier before it.
+    no barrier before it. The stamp also waits for the start stamp: nothing else orders the two
+    (the step's work does not wait for its start stamp), and on a loaded host a start stamp
+    queued behind a small replica's whole computation read a time after its end (a replica's
+    total compute time came out 0 or negative).
     """
-    end_time = timing.now_after(tf.nest.flatten(grads, expand_composites=True))
     start_time = step.timing.step_start(step.start_time)
+    end_time = timing.now_after(
+        tf.nest.flatten(grads, expand_composites=True) + [step.start_time])
     step.timing_kept = step.timing.shape_kept(step.samples, step.micro_batch_count)
     step.timing_row = step.timing.row(end_time - start_time, step.samples, step.timing_kept)
     return grads
