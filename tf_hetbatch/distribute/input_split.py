@@ -215,68 +215,82 @@ class Allocation:
         """One pass over the global batches: skip, look up the split, check.
 
         Each element becomes `emit(element, sizes)`:
-        - the first `skip` batches of each iterator (read when it starts) are dropped
-          (resuming mid-epoch);
+        - the first `skip` batches of each iterator (read when it starts) give no element
+          (resuming mid-epoch); they are checked as the others are;
         - every other batch gets its per-replica sizes: the split in force for it (see the
           class) applied to its actual number of samples (`split_sizes`);
         - a batch with more samples than the split sums to is an error, and so is one after a
           short batch (fewer samples than the split sums to, which must be the last of the
           data): the data is batched by another size than sum(batch_sizes).
 
+        The user's dataset is an input of the pass, not built inside a per-iterator function:
+        its iterator is made when ours is, as under the stock strategy. A seeded
+        `shuffle(..., reshuffle_each_iteration=True)` draws its order for each new iterator
+        from one stream, and Keras makes an iterator at each epoch's end that the next epoch
+        discards; made lazily, at the first batch, ours skipped that draw and trained every
+        epoch after the first in another order than the stock strategy.
+
         `weights_in_raw=False`: the batches are not yet Keras's (x, y, sample_weight), so
         their summed sample weight is unknown here (recorded as NaN).
         """
         num_replicas = self.num_replicas
 
-        def per_iterator(to_skip, base):
-            def annotate_batch(position, element):
-                deps = []
-                n = batch_dim(element)
-                if self.keyed_by_step:
-                    key = base + position
-                    bounds = self._bounds_for_key(key)
+        def annotate_batch(started, numbered):
+            to_skip, base = started
+            raw_position, element = numbered
+            position = raw_position - to_skip
+            kept = position >= 0
+            deps = []
+            n = batch_dim(element)
+            if self.keyed_by_step:
+                key = base + position
+                bounds = self._bounds_for_key(key)
+                row = key % self.TOTALS
+                amounts = _step_amounts(element, n, weights_in_raw)
+                fingerprint = batch_fingerprint(element)
+                # A skipped batch writes nothing (its key is a step trained before).
+                deps += [
                     # The newest key produced by the most recent iterator (a validation pass
                     # numbers its batches from the same step as the next epoch, but is over
                     # by then); the count tells whether any batch was produced yet.
-                    deps += [
-                        self.last_key.assign(
-                            tf.where(position == 0, key,
-                                     tf.maximum(self.last_key.read_value(), key))
-                        ),
-                        self.produced.assign_add(1),
-                        self.totals.scatter_nd_update(
-                            [[key % self.TOTALS]], [_step_amounts(element, n, weights_in_raw)]
-                        ),
-                        self.fingerprints.scatter_nd_update(
-                            [[key % self.TOTALS]], [batch_fingerprint(element)]
-                        ),
-                    ]
-                else:
-                    bounds = self.bounds.read_value()
-                total = bounds[-1]
-                too_large = _assert(
-                    tf.logical_or(n <= total, tf.equal(total, 0)),
-                    "A global batch has more samples than `batch_sizes` sum to. Fix: batch the "
-                    "dataset with the global batch size sum(batch_sizes), or call "
-                    "set_batch_sizes() with sizes that sum to the dataset's batch size. "
-                    "[batch samples, sum(batch_sizes)]",
-                    [n, total],
-                )
-                after_short = _assert(
-                    tf.logical_not(self.short_seen.read_value()),
-                    "A global batch followed a short one: the dataset's batches do not have "
-                    "sum(batch_sizes) samples. Fix: batch the dataset with the global batch "
-                    "size sum(batch_sizes), or call set_batch_sizes() with sizes that sum to "
-                    "the dataset's batch size. [this batch's samples, sum(batch_sizes)]",
-                    [n, total],
-                )
-                with tf.control_dependencies([too_large, after_short]):
-                    deps.append(self.short_seen.assign(n < total))
-                sizes = split_sizes(n, bounds, num_replicas)
-                with tf.control_dependencies(deps):
-                    return emit(element, tf.identity(sizes))
-
-            return _map_batches(dataset.skip(to_skip), annotate_batch, self.keyed_by_step)
+                    self.last_key.assign(tf.where(
+                        kept,
+                        tf.where(position == 0, key, tf.maximum(self.last_key.read_value(), key)),
+                        self.last_key.read_value(),
+                    )),
+                    self.produced.assign_add(tf.cast(kept, tf.int64)),
+                    self.totals.scatter_nd_update(
+                        [[row]], [tf.where(kept, amounts, self.totals.read_value()[row])]
+                    ),
+                    self.fingerprints.scatter_nd_update(
+                        [[row]], [tf.where(kept, fingerprint, self.fingerprints.read_value()[row])]
+                    ),
+                ]
+            else:
+                bounds = self.bounds.read_value()
+            total = bounds[-1]
+            too_large = _assert(
+                tf.logical_or(n <= total, tf.equal(total, 0)),
+                "A global batch has more samples than `batch_sizes` sum to. Fix: batch the "
+                "dataset with the global batch size sum(batch_sizes), or call "
+                "set_batch_sizes() with sizes that sum to the dataset's batch size. "
+                "[batch samples, sum(batch_sizes)]",
+                [n, total],
+            )
+            after_short = _assert(
+                tf.logical_not(self.short_seen.read_value()),
+                "A global batch followed a short one: the dataset's batches do not have "
+                "sum(batch_sizes) samples. Fix: batch the dataset with the global batch "
+                "size sum(batch_sizes), or call set_batch_sizes() with sizes that sum to "
+                "the dataset's batch size. [this batch's samples, sum(batch_sizes)]",
+                [n, total],
+            )
+            with tf.control_dependencies([too_large, after_short]):
+                deps.append(self.short_seen.assign(n < total))
+            sizes = split_sizes(n, bounds, num_replicas)
+            with tf.control_dependencies(deps):
+                slices = emit(element, tf.identity(sizes))
+            return slices.take(-tf.cast(kept, tf.int64))  # -1: all of them; 0: none
 
         def start(_):
             # Runs once when an iterator starts: clears the short-batch mark, reads the skip
@@ -285,7 +299,10 @@ class Allocation:
                 base = self.trained.read_value() if self.keyed_by_step else tf.constant(0, tf.int64)
                 return self.skip.read_value(), base
 
-        return _per_iterator(dataset, start, per_iterator)
+        started = _per_iterator(dataset, start, lambda *values: (
+            tf.data.Dataset.from_tensors(values).repeat()))
+        both = tf.data.Dataset.zip((started, dataset.enumerate()))
+        return tf_data.map_inline(both, annotate_batch).with_options(dataset.options())
 
     def annotate_evaluation(self, dataset, emit):
         """One pass over evaluation batches: each element becomes `emit(element, sizes)`.
@@ -358,13 +375,8 @@ def _step_amounts(element, n, weights_in_raw=True):
     return tf.stack([samples, weight])
 
 
-def _map_batches(dataset, fn, numbered=False):
-    """`tf_data.map_inline` calling fn(position, element), whatever the element's structure.
-
-    The position in the pass (int64) only if `numbered` (an `enumerate`), else None.
-    """
-    if numbered:
-        return tf_data.map_inline(dataset.enumerate(), fn)
+def _map_batches(dataset, fn):
+    """`tf_data.map_inline` calling fn(None, element), whatever the element's structure."""
     if type(dataset.element_spec) is tuple:  # noqa: E721 - tf.data unpacks exactly tuples
         return tf_data.map_inline(dataset, lambda *element: fn(None, element))
     return tf_data.map_inline(dataset, lambda element: fn(None, element))
