@@ -416,8 +416,8 @@ class ProportionalController(_Controller):
     `ModelBasedController`. (The paper's lowering of b_max after a throughput drop is not
     kept: the detector takes such a drop as a change and the models follow it.)
 
-    Args: see `ControllerConfig` (min_sizes, max_sizes, memory, false_move_rate, horizon,
-        dead_band, step_time_search, search_step).
+    Its arguments are `ControllerConfig`'s (min_sizes, max_sizes, memory, false_move_rate,
+    horizon, dead_band, step_time_search, search_step).
 
     Example:
         >>> ctrl = ProportionalController()

@@ -118,7 +118,7 @@ class SplitState:
             raise ValueError(
                 f"`batch_sizes` must sum to the dataset's global batch size {global_batch}. "
                 f"Received: batch_sizes={list(sizes)} (sum {sum(sizes)}). Fix: batch the "
-                f"dataset with {sum(sizes)}, or call set_batch_sizes() with sizes summing to "
+                f"data by {sum(sizes)}, or call set_batch_sizes() with sizes summing to "
                 f"{global_batch}.")
         resplit = split.split_proportionally(global_batch, sizes)
         logger.info(

@@ -24,7 +24,7 @@ from tf_hetbatch.dashboards import summaries
 
 logger = logging.getLogger(__name__)
 
-_PLOT_INSTALL_HINT = "pip install tf_hetbatch[plot]"
+_PLOT_INSTALL_HINT = "pip install matplotlib (the plot extra: pip install 'tf_hetbatch[plot]')"
 
 
 @dataclasses.dataclass(frozen=True)

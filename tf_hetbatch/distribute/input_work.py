@@ -19,8 +19,9 @@ Recognised automatically (`plan`):
   else: the maps after the marker act on each sample of a batch on its own (e.g. decoding or
   augmenting a batch with vectorised ops), so they run on each replica slice.
 
-Anything else runs unsplit, as before, with one INFO line per dataset that says why and how to
-write it so it splits. A worker that owns every replica (one host) always runs it unsplit.
+Anything else runs unsplit, as before; with several workers the chief logs one WARNING per
+dataset that says why and how to write it so it splits. A worker that owns every replica (one
+host) always runs it unsplit, and nothing is said (there is nothing to gain).
 
 Random augmentation stays reproducible for a seeded pipeline, but its draws differ from the
 unsplit pipeline's (each worker's maps see a different sequence of samples).

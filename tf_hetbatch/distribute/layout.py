@@ -94,7 +94,7 @@ class DeviceLayout:
         return tuple(kind for worker in self.kinds for kind in worker)
 
     def describe(self) -> str:
-        """One line, e.g. "2 workers: [1 CPU] [2 CPU]; 3 replicas; all-reduce device (AUTO)"."""
+        """One line, e.g. `2 workers: [1 CPU] [2 CPU]; 3 replicas; all-reduce device (AUTO)`."""
         parts = []
         for kinds in self.kinds:
             counted = {k: kinds.count(k) for k in dict.fromkeys(kinds)}

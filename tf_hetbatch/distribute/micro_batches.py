@@ -186,9 +186,9 @@ def plan_step(strategy, args, kwargs, sync_batch_norm: bool) -> StepPlan:
             "micro-batches (`set_micro_batch_limits`): its statistics are all-reduced across "
             "replicas in every forward pass, and replicas with different micro-batch counts "
             "would not meet in those all-reduces. Received: micro_batch_limits="
-            f"{strategy.micro_batch_limits}. Fix: give the replicas shares within their "
-            "bounds (DynamicBatching(max_sizes=...)), use plain BatchNormalization, or lift "
-            "the bounds (strategy.set_micro_batch_limits(None)).")
+            f"{strategy.micro_batch_limits}. Fix: lift the limits "
+            "(strategy.set_micro_batch_limits(None)) and bound the shares instead "
+            "(DynamicBatching(max_sizes=...)), or use plain BatchNormalization.")
     limits = strategy._micro_batches.variable.read_value()
     gate = strategy._micro_batches.gate
     gate.close()
@@ -299,11 +299,11 @@ def _call(step, fn, structure, plan):
     if len(captured) > 1:
         raise ValueError(
             "A step that applies gradients more than once cannot be computed in micro-batches "
-            "(a replica's share is above its memory bound, `set_micro_batch_limits`): each "
+            "(the strategy has micro-batch limits, `set_micro_batch_limits`): each "
             "later update reads the earlier one (e.g. a GAN's generator step after its "
             "discriminator's), but micro-batches accumulate every gradient before any update. "
             f"Received: {len(captured)} optimizer applies in one step. Fix: lift the bounds "
-            "(strategy.set_micro_batch_limits(None)) or give the replicas shares within them.")
+            "(strategy.set_micro_batch_limits(None)).")
     return outputs, captured
 
 
@@ -327,7 +327,7 @@ def _output_kinds(step, flat):
             kinds.append(_LAST)  # a metric's result: its value after every micro-batch
         elif not t.shape.is_fully_defined():
             raise ValueError(
-                "A micro-batched step (a replica's share is above its memory bound, "
+                "A micro-batched step (the strategy has micro-batch limits, "
                 "`set_micro_batch_limits`) returned a value whose shape depends on the batch "
                 f"(per-sample values?), which micro-batches cannot combine. Received: {t!r}. "
                 "Fix: return metric results or scalars (e.g. a loss), or lift the bounds "

@@ -538,8 +538,8 @@ def check_replica_count_read(step: Optional[ReplicaStep]) -> None:
         return
     if reader == keras_losses.TF_REGULARIZATION and step.micro_batched:
         raise ValueError(
-            "`tf.nn.scale_regularization_loss` in a micro-batched step (a replica's share is "
-            "above its memory bound, `set_micro_batch_limits`) adds the regularization once "
+            "`tf.nn.scale_regularization_loss` in a micro-batched step (the strategy has "
+            "micro-batch limits, `set_micro_batch_limits`) adds the regularization once "
             "per micro-batch, so the update would not be one device's. Fix: compute the loss "
             "with `model.compute_loss` (it adds the model's regularization losses, weighted by "
             "each micro-batch's share), or lift the bounds "

@@ -178,13 +178,14 @@ class AsyncTrainer:
                 updates holds more or fewer samples than `steps_per_epoch * batch_size`
                 (a fast worker with a big batch makes fewer updates than it would at the even
                 split); compare runs by time to accuracy, or by samples.
-            epochs, initial_epoch: as in Keras.
+            epochs: as in Keras.
             steps_per_epoch: updates per epoch (all workers together). Required.
             validation_data: a dataset of batches, evaluated on the chief after each epoch.
             validation_steps: batches of it per evaluation (default: all).
             callbacks: Keras callbacks. Batch hooks run as steps are scheduled; their logs
                 are the running means read from the parameter servers.
             verbose: 0 silent, 1 progress bar, 2 one line per epoch, "auto" = 1.
+            initial_epoch: as in Keras.
 
         Returns:
             A `keras.callbacks.History`; epoch logs hold loss, metrics, `staleness` (mean over

@@ -49,11 +49,10 @@ class DynamicBatching(keras.callbacks.Callback):
     tensorflow/tensorflow#78338). One process measures its step time as the wall time from a
     window's start to its end, validation and the pauses at epoch boundaries excluded.
 
-    Args:
-        initial, controller, min_sizes, max_sizes, warmup_steps, interval, probe_steps,
-        log_dir, verbose: the balancer's options, as for `tf_hetbatch.Balancer` (the
-        strategy is the model's). `warmup_steps` are the first steps of every `fit`; the PNG
-        is written at the end of training.
+    Its arguments (`initial`, `controller`, `min_sizes`, `max_sizes`, `warmup_steps`,
+    `interval`, `probe_steps`, `log_dir`, `verbose`) are the balancer's options, as for
+    `tf_hetbatch.Balancer` (the strategy is the model's). `warmup_steps` are the first steps of
+    every `fit`; the PNG is written at the end of training.
 
     Attributes:
         balancer: the `Balancer` it drives.

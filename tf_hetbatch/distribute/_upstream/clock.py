@@ -28,6 +28,8 @@ import logging
 
 import tensorflow as tf
 
+from tf_hetbatch.distribute._upstream import versions
+
 logger = logging.getLogger(__name__)
 
 try:
@@ -71,5 +73,5 @@ def independent(tensor) -> None:
         raise RuntimeError(
             "This TensorFlow's automatic control dependencies have no run_independently: the "
             "timing stamps of a step's replicas would wait for each other. Fix: use a "
-            "TensorFlow version tf_hetbatch supports (see its BUILD_NOTES).")
+            f"TensorFlow version tf_hetbatch supports: {versions.INSTALL_SUPPORTED}.")
     run_independently(tensor.op)
