@@ -9,6 +9,7 @@ compare with one device trained on the same global batches in this process.
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -547,3 +548,30 @@ def test_only_a_synchronous_cluster_agrees_on_the_step():
     assert not PreemptionNotice(resolver({"worker": 1}, task_id=0)).multi_worker
     assert not PreemptionNotice(resolver({"chief": 1, "ps": 1, "worker": 2}, "chief", 0)) \
         .multi_worker
+
+
+@pytest.mark.parametrize("reshuffle", [True, False])
+def test_resuming_a_later_epoch_of_data_that_reshuffles_says_its_order_differs(
+        tmp_path, cpus, caplog, reshuffle):
+    """A seeded shuffle that reshuffles each epoch (tf.data's default) draws epoch e's order
+    as the process' e-th draw: a new process resuming epoch 1 trains it in another order than
+    the interrupted run would have. Said once; nothing is said for an order kept every epoch."""
+    def data():
+        return _data().unbatch().shuffle(N, seed=3, reshuffle_each_iteration=reshuffle) \
+            .batch(BATCH)
+
+    strategy = hb.HeteroMirroredStrategy(cpus[:2])
+    model = _model_under(strategy)
+    ckpt = ResumableCheckpoint(str(tmp_path), save_every_steps=3)
+    ckpt.restore(model)
+    model.fit(data(), epochs=EPOCHS, verbose=0, callbacks=[ckpt, stop_at(13)])
+    strategy2 = hb.HeteroMirroredStrategy(cpus[:2])
+    model2 = _model_under(strategy2)
+    ckpt2 = ResumableCheckpoint(str(tmp_path), save_every_steps=3)
+    with caplog.at_level(logging.WARNING, logger="tf_hetbatch"):
+        model2.fit(data(), epochs=EPOCHS, initial_epoch=ckpt2.restore(model2), verbose=0,
+                   callbacks=[ckpt2])
+    said = [r for r in caplog.records if "reshuffles each epoch" in r.getMessage()]
+    assert len(said) == (1 if reshuffle else 0)
+    if reshuffle:
+        assert "reshuffle_each_iteration=False" in said[0].getMessage()

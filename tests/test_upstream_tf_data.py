@@ -150,3 +150,16 @@ def test_map_and_batch_fusion_still_fails_on_two_stateful_chains_in_one_function
     iterator = multi_device_iterator_ops.MultiDeviceIterator(
         tf_data.without_map_and_batch_fusion(data), cpus[:2])
     assert [t.shape.as_list() for t in iterator.get_next()] == [[4, 3], [4, 3]]
+
+
+def test_a_shuffle_says_whether_it_reshuffles_each_iteration():
+    """`tf_data.reshuffles_each_iteration` finds a shuffle by its class (`_ShuffleDataset`)
+    through the transformations above it and reads its `_reshuffle_each_iteration`: if
+    TensorFlow renames the class, no pipeline reads as reshuffling and a resumed run's other
+    order goes unsaid; if it renames the attribute, every shuffle reads as reshuffling."""
+    data = tf.data.Dataset.range(8)
+    assert tf_data.reshuffles_each_iteration(data.shuffle(8, seed=1).map(lambda t: t).batch(2))
+    assert not tf_data.reshuffles_each_iteration(
+        data.shuffle(8, seed=1, reshuffle_each_iteration=False).batch(2).prefetch(1))
+    assert not tf_data.reshuffles_each_iteration(data.batch(2))
+    assert tf.data.Dataset.range(8).shuffle(8)._reshuffle_each_iteration is True

@@ -48,6 +48,7 @@ class HeteroMixin(micro_batches.LimitsMixin):
         # weights are then known per worker only (see the multi-worker `_step_total`).
         self._weights_in_pipeline = True
         self._said_unsplit = weakref.WeakSet()  # datasets whose unsplit input was logged
+        self._training_data = None  # a weak reference to the last training data distributed
         self._said_unweighted_mean = False
         self._said_untimed = False  # a step XLA compiles takes no stamps (`timing`)
         self._unweighted_values = step_run.UnweightedValues()  # see `reduce`
@@ -243,6 +244,8 @@ class HeteroMixin(micro_batches.LimitsMixin):
             keras_trainer.inline_multi_step(model)  # steps_per_execution > 1 (keras#19246)
             self._micro_batches.guard_steps(self, model)  # a step out of memory runs again
         self._check_dataset(dataset, evaluation)
+        if not evaluation:
+            self._training_data = weakref.ref(dataset)
         mode = getattr(options, "experimental_replication_mode", None)
         if mode == tf.distribute.InputReplicationMode.PER_REPLICA:
             raise ValueError(
@@ -288,6 +291,13 @@ class HeteroMixin(micro_batches.LimitsMixin):
                 plans[0].reason,
             )
         return distributed
+
+    def training_data_reshuffles(self) -> bool:
+        """Whether the training data last distributed draws a new order for each iterator (a
+        `shuffle` that reshuffles each iteration): its epochs' orders depend on how many
+        iterators the process made before, so a resumed run's differ (`ResumableCheckpoint`)."""
+        data = self._training_data() if self._training_data is not None else None
+        return data is not None and tf_data.reshuffles_each_iteration(data)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """As the stock method: `dataset_fn(input_context)` batches each replica's data itself.

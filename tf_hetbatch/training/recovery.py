@@ -85,8 +85,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     Requirements, all checked where possible:
     - `directory` is on storage all workers see (a shared file system or bucket).
     - The data gives the same global batches in the same order in every run: no shuffle, or a
-      seeded one (`shuffle(..., seed=s)`). Only then does skipping the trained batches resume
-      the exact sequence.
+      seeded one that keeps its order (`shuffle(..., seed=s, reshuffle_each_iteration=False)`).
+      Only then does skipping the trained batches resume the exact sequence. A seeded shuffle
+      that reshuffles each epoch (tf.data's default) draws each epoch's order from a sequence
+      a new process starts again: resuming at a later epoch then warns once.
     - The data's number of batches is known (`dataset.cardinality()`), so Keras keeps the
       epoch length after a shortened first epoch; otherwise add
       `dataset.apply(tf.data.experimental.assert_cardinality(n))`. Keras warns "Your input ran
@@ -284,6 +286,16 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                 "would shorten every later epoch to the resumed one. Received data of unknown "
                 "cardinality. Fix: dataset = dataset.apply("
                 "tf.data.experimental.assert_cardinality(num_batches)).")
+        if self._resume_epoch and strategy.training_data_reshuffles() and strategy.is_chief:
+            logger.warning(
+                "Resuming at epoch %d on data that reshuffles each epoch "
+                "(`shuffle(..., reshuffle_each_iteration=True)`, tf.data's default): a new "
+                "process draws the orders from the start of the shuffle's sequence, so the "
+                "resumed epochs train in other orders than the interrupted run would have (each "
+                "is still one pass over the data), and the result differs from an uninterrupted "
+                "run's. Fix: for an exact resume, shuffle with reshuffle_each_iteration=False "
+                "(the same order every epoch).",
+                self._resume_epoch)
         self._store_for(self.model)
         self._step = strategy.steps_trained
         self._first_epoch = True

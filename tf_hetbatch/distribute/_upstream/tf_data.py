@@ -249,6 +249,19 @@ def pipeline_steps(dataset):
     return steps
 
 
+def reshuffles_each_iteration(dataset) -> bool:
+    """Whether a shuffle under `dataset` (following single inputs) draws a new order for each
+    new iterator (`shuffle(..., reshuffle_each_iteration=True)`, tf.data's default): its k-th
+    iterator's order depends on how many were made before it in the process. Private read: the
+    shuffle's `_reshuffle_each_iteration`; canary in tests/test_upstream_tf_data.py."""
+    while isinstance(dataset, tf.data.Dataset):
+        if (_TRANSFORM_KINDS.get(type(dataset).__name__) == "shuffle"
+                and bool(getattr(dataset, "_reshuffle_each_iteration", True))):
+            return True
+        dataset = getattr(dataset, "_input_dataset", None)
+    return False
+
+
 def first_map_below(dataset):
     """The name of the transformation just above the first map found under `dataset`
     (following single inputs through anything), or None if there is no map."""
