@@ -49,6 +49,8 @@ def test_workers_train_with_their_own_batch_sizes_and_survive_a_killed_worker(tm
     # also after worker 1 was SIGKILLed at the end of epoch 1 (its work went to worker 0).
     np.testing.assert_array_equal(samples, np.array([24, 8]) * updates)
     assert updates.sum() == data["update_count"] == 120
+    # Read while workers update, each worker's samples and updates are of the same updates.
+    assert data["torn_reads"] == 0
     assert np.all(updates > 0) and updates[0] > updates[1]
     assert "killing worker:1" in text
     assert any("worker 1" in event for event in result.events), result.events

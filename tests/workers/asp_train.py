@@ -101,6 +101,12 @@ def main(argv=None):
 
         def on_train_begin(self, logs=None):
             self.seen, self.rows = float(strategy.read_totals().samples.sum()), []
+            self.torn = 0  # reads whose samples and updates came from different updates
+
+        def on_train_batch_end(self, batch, logs=None):
+            if args.sizes:  # a fixed split: worker k's samples are b_k per update
+                totals = strategy.read_totals()
+                self.torn += int(not np.array_equal(totals.samples, sizes * totals.steps))
 
         def on_epoch_end(self, epoch, logs=None):
             total = float(strategy.read_totals().samples.sum())
@@ -133,6 +139,7 @@ def main(argv=None):
         callbacks += [keras.callbacks.TensorBoard(args.keras_callbacks),
                       keras.callbacks.EarlyStopping(monitor="val_loss", patience=5),
                       keras.callbacks.CSVLogger(os.path.join(args.keras_callbacks, "log.csv"))]
+    sizes = np.array([int(v) for v in args.sizes.split(",")]) if args.sizes else None
     if args.sizes:
         strategy.set_global_batch_size(args.batch_size * strategy.num_workers)
         strategy.set_batch_sizes([int(v) for v in args.sizes.split(",")])
@@ -161,6 +168,7 @@ def main(argv=None):
         "update_count": strategy.updates,
         "restored": trainer.restored,
         "metric_vs_trained_samples": counts.rows,
+        "torn_reads": counts.torn,
         "evaluate": trainer.evaluate(tf.data.Dataset.from_tensor_slices((xv, yv)).batch(256),
                                      return_dict=True, verbose=0),
     }

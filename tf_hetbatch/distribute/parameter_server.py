@@ -85,10 +85,11 @@ class HeteroParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         self._split = split_state.SplitState(num_workers, part_name="worker")
         self._staleness_bins = staleness_bins
         with self.scope():
-            zeros = tf.zeros([num_workers], tf.float64)
-            self._seconds = tf.Variable(zeros, trainable=False, name="hetbatch_seconds")
-            self._samples = tf.Variable(zeros, trainable=False, name="hetbatch_samples")
-            self._steps = tf.Variable(zeros, trainable=False, name="hetbatch_steps")
+            # Per worker: compute seconds, samples, updates. One table, added to once per
+            # update and read once: three variables read one after another while workers add
+            # to them gave windows whose samples and steps were from different updates.
+            self._totals = tf.Variable(tf.zeros([num_workers, 3], tf.float64), trainable=False,
+                                       name="hetbatch_worker_totals")
             self._updates = tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                         name="hetbatch_updates")
             self._stale = tf.Variable(tf.zeros([num_workers, staleness_bins], tf.int64),
@@ -201,7 +202,8 @@ class HeteroParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def read_totals(self) -> ReplicaTimes:
         """Per-worker compute seconds, samples and updates since the strategy was created
         (unaffected by `reset` reads)."""
-        return ReplicaTimes(self._seconds.numpy(), self._samples.numpy(), self._steps.numpy())
+        seconds, samples, steps = self._totals.numpy().T
+        return ReplicaTimes(seconds, samples, steps)
 
     def read_staleness(self, reset: bool = False) -> Staleness:
         """Staleness histogram of each worker's updates finished so far (see `Staleness`).
@@ -281,12 +283,12 @@ class HeteroParameterServerStrategy(tf.distribute.ParameterServerStrategy):
             The op that records it.
         """
         one_hot = tf.one_hot(worker, self._num_workers, dtype=tf.float64)
+        row = tf.stack([tf.cast(seconds, tf.float64), tf.cast(samples, tf.float64),
+                        tf.constant(1.0, tf.float64)])
         stale_bin = tf.minimum(tf.cast(staleness, tf.int32), self._staleness_bins - 1)
         return tf.group(
             self._updates.assign_add(tf.constant(1, tf.int64)),
-            self._seconds.assign_add(one_hot * tf.cast(seconds, tf.float64)),
-            self._samples.assign_add(one_hot * tf.cast(samples, tf.float64)),
-            self._steps.assign_add(one_hot),
+            self._totals.assign_add(one_hot[:, None] * row[None, :]),
             self._stale.scatter_nd_add([[worker, tf.maximum(stale_bin, 0)]],
                                        tf.ones([1], tf.int64)),
         )
