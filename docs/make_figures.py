@@ -53,7 +53,7 @@ import tensorflow as tf
 import tf_hetbatch as hb
 
 COUNTS = [1, 2]  # replicas per worker
-GLOBAL_BATCH = 96
+GLOBAL_BATCH = 192
 
 
 class Measure(keras.callbacks.Callback):
@@ -80,8 +80,8 @@ def main(out):
     y = x[:, :10].argmax(axis=1).astype("int32")
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
-                                  keras.layers.Dense(256, activation="relu"),
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512, activation="relu"),
+                                  keras.layers.Dense(512, activation="relu"),
                                   keras.layers.Dense(10, activation="softmax")])
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
@@ -160,6 +160,10 @@ def draw_layout(data, path):
 
     devices, sizes, ms = data["devices"], data["batch_sizes"], data["ms_per_step"]
     total = data["global_batch"]
+    measured = [round(s) for s in data["samples_per_step"]]
+    if measured != list(sizes):  # a switch took effect during the timed steps
+        raise SystemExit(f"make_figures: the timed steps mixed two splits (samples per step "
+                         f"{data['samples_per_step']}, split {sizes}); run it again.")
     fig, ax = plt.subplots(figsize=(8, 3.5), dpi=100)
     ax.set_xlim(0, 8)
     ax.set_ylim(0, 3.5)
@@ -169,15 +173,19 @@ def draw_layout(data, path):
     widths = [len(d) * replica_w + (len(d) - 1) * gap + 2 * pad for d in devices]
     between = 1.3
     x = (8 - sum(widths) - between * (len(devices) - 1)) / 2
-    worker_y, worker_h = 0.75, 1.95
+    worker_y, worker_h = 0.6, 2.3
     centers, replica = [], 0
     for w, (worker_devices, width) in enumerate(zip(devices, widths)):
         ax.add_patch(FancyBboxPatch((x, worker_y), width, worker_h,
                                     boxstyle="round,pad=0.02,rounding_size=0.08",
                                     fc="#eef2f7", ec="#4a5a70", lw=1.2))
         role = " (chief)" if w == 0 else ""
-        ax.text(x + width / 2, worker_y + worker_h - 0.22, f"worker {w}{role}",
+        cap = LAYOUT_CPUS.split(",")[w]
+        cap = "uncapped" if cap == "none" else f"capped at {cap} CPUs"
+        ax.text(x + width / 2, worker_y + worker_h - 0.25, f"worker {w}{role}",
                 ha="center", va="center", fontsize=11, weight="bold", color="#2a3a50")
+        ax.text(x + width / 2, worker_y + worker_h - 0.55, cap,
+                ha="center", va="center", fontsize=9, color="#2a3a50")
         for i, device in enumerate(worker_devices):
             rx = x + pad + i * (replica_w + gap)
             ry = worker_y + 0.25
@@ -204,16 +212,17 @@ def draw_layout(data, path):
         ax.text((left + right) / 2, ar_y + 0.2, "all-reduce", ha="center", va="bottom",
                 fontsize=9.5, color="#c0392b")
         ax.text((left + right) / 2, ar_y - 0.2,
-                f"{data['all_reduce']}\n({data['implementation']})",
+                ("one group\nof all replicas" if data["all_reduce"] == "device"
+                 else "through each\nworker's CPU") + f"\n({data['all_reduce']}, "
+                f"{data['implementation']})",
                 ha="center", va="top", fontsize=8.5, color="#c0392b")
 
     ax.set_title(f"A mixed cluster: global batch B = {total}, split "
                  f"{' + '.join(str(s) for s in sizes)} by DynamicBatching",
                  fontsize=12)
-    ax.text(4, 0.3, f"2 worker processes on 127.0.0.1, logical CPUs; worker 1 capped at "
-            f"{LAYOUT_CPUS.split(',')[1]} CPUs. ms/step: each replica's compute time per step, "
-            f"mean of {data['measured_steps']} steps at this split.",
-            ha="center", va="center", fontsize=8, color="#555555", wrap=True)
+    ax.text(4, 0.22, "2 worker processes on 127.0.0.1, replicas on logical CPUs. ms/step: each "
+            f"replica's compute time per step, mean of {data['measured_steps']} steps at this "
+            "split.", ha="center", va="center", fontsize=8, color="#555555")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -243,6 +243,14 @@ Three replicas in sync, one on worker 0 and two on worker 1, all CPUs: one colle
 ("all-reduce device"). Worker 0 is the chief: with no `chief` task in `TF_CONFIG`, worker 0
 is.
 
+![Two workers: worker 0 hosts replica 0, worker 1 (capped) replicas 1 and 2; each replica's share of the global batch and its time per step; the all-reduce between the workers](../img/layout.png)
+
+The figure shows a layout of this shape after `DynamicBatching` balanced it: it was drawn by
+`docs/make_figures.py` from a real run of two worker processes on logical CPUs (worker 1 capped
+at 0.5 CPUs), so its numbers vary from run to run. The times are each replica's compute time per
+step at the settled split; they need not be equal, since the controller keeps the split whose
+measured step time is shortest, and a step holds more than the replicas' compute.
+
 ## What the workers trained
 
 Each worker wrote what it saw. Both recorded the same samples per replica at every step
