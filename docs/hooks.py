@@ -6,8 +6,6 @@ import ast
 import inspect
 from pathlib import Path
 
-from mkdocs.structure.files import File
-
 
 def guide_to_markdown(source: str, name: str) -> str:
     """The Markdown page of a guide's `source`; `name` is its file name (e.g. quickstart.py)."""
@@ -33,6 +31,8 @@ def guide_to_markdown(source: str, name: str) -> str:
 
 
 def on_files(files, config):
+    from mkdocs.structure.files import File  # only when MkDocs builds (the tests render alone)
+
     guides = Path(config["docs_dir"]) / "guides"
     for path in sorted(guides.glob("*.py")):
         page = File.generated(config, f"guides/{path.stem}.md",

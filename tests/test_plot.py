@@ -81,7 +81,7 @@ def test_missing_logs_fail_naming_the_dir_and_the_fix(tmp_path, capsys):
 def test_missing_matplotlib_says_how_to_install(balance_log, monkeypatch):
     log_dir, _ = balance_log
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
-    with pytest.raises(ImportError, match=r"pip install tf_hetbatch\[plot\]"):
+    with pytest.raises(ImportError, match=r"pip install matplotlib"):
         plot.plot_balance(log_dir)
 
 
