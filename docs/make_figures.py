@@ -16,6 +16,7 @@ one box per replica, and the all-reduce between the workers. About a minute on 2
 """
 
 import argparse
+import io
 import json
 import os
 import shutil
@@ -23,6 +24,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+
+from tf_hetbatch.launch import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEMO = os.path.join(HERE, "..", "examples", "demo.py")
@@ -88,6 +91,8 @@ def main(out):
     # The balancer's windows; then a short fit at the split it left, timed on its own.
     dyn = hb.DynamicBatching(initial="uniform", warmup_steps=3, interval=8)
     model.fit(dataset, epochs=EPOCHS, verbose=0, callbacks=[dyn])
+    # A split the balancer asked for last reaches every worker switch_margin steps later.
+    model.fit(dataset.take(strategy.switch_margin + 1), epochs=1, verbose=0)
     measure = Measure()
     model.fit(dataset.take(LAST_STEPS), epochs=1, verbose=0, callbacks=[measure])
 
@@ -119,30 +124,16 @@ def run_layout_job(work):
     script = os.path.join(work, "train.py")
     with open(script, "w") as f:
         f.write(f"EPOCHS = {LAYOUT_EPOCHS}\nLAST_STEPS = {LAYOUT_LAST_STEPS}\n" + LAYOUT_TRAIN_PY)
-    command = [sys.executable, "-m", "tf_hetbatch.launch", "--workers", "2",
-               "--cpus", LAYOUT_CPUS, "--threads", "1", "--timeout", "240", "--grace", "5",
-               script, work]
-    log_path = os.path.join(work, "launch.log")
-    with open(log_path, "w") as log:
-        launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            returncode = launcher.wait(timeout=300)
-        finally:
-            if launcher.poll() is None:  # interrupted, or the wait timed out
-                launcher.terminate()  # the launcher stops its workers (SIGKILL after 5 s)
-                try:
-                    launcher.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    launcher.kill()
-                    launcher.wait(timeout=10)
-    with open(log_path) as log:
-        lines = log.read().splitlines()
+    log = io.StringIO()
+    result = launch([script, work], 2, cpus=LAYOUT_CPUS, threads=1, timeout=240, grace=5,
+                    stdout=log, stderr=log)
+    lines = log.getvalue().splitlines()
     for line in lines:
         if "] figure:" in line:
             print(line)
-    if returncode != 0:
+    if not result.ok:
         print("\n".join(lines[-40:]))
-        raise SystemExit(f"the layout run's launcher exited with {returncode}")
+        raise SystemExit(f"make_figures: the layout run failed: {result.message}")
     with open(os.path.join(work, "layout.json")) as f:
         return json.load(f)
 
@@ -247,7 +238,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(FIGURES), help="make this figure alone")
     args = parser.parse_args()
-    # A SIGTERM runs the `finally` blocks: the launcher and its workers are stopped.
+    # A SIGTERM runs the `finally` blocks (the work directory removed; `launch` stops its
+    # workers itself).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     for name in [args.only] if args.only else ["balance", "layout"]:
         FIGURES[name]()

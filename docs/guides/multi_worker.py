@@ -46,13 +46,14 @@ its own replicas' samples; the script counts them. A seeded `Dataset.shuffle` be
 would be fine too; this one keeps a fixed order for the one-device comparison (the
 [quickstart](quickstart.md) says why).
 """
+import io
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import numpy as np
+
+from tf_hetbatch.launch import launch
 
 RUN_DIR = os.path.abspath("multi_worker_run")
 os.makedirs(RUN_DIR, exist_ok=True)
@@ -205,38 +206,25 @@ code. From Python, `tf_hetbatch.launch.launch(["train.py"], num_workers=2, cpus=
 does the same and returns a `LaunchResult`.
 
 Here worker 1 is capped at 0.6 CPUs and each worker gets one thread (two workers share two
-cores). The guide runs the launcher as a subprocess, keeps its output in
-`./multi_worker_run/launch.log`, bounds every wait, and stops the launcher on any way out,
-a SIGTERM to the guide included (the launcher then stops its workers).
+cores). The guide calls `launch()`, the same as
+`python -m tf_hetbatch.launch --workers 2 --cpus none,0.6 --threads 1 --timeout 150 --grace 5
+multi_worker_run/train.py multi_worker_run`: everything stops after 150 s at most, and a
+SIGINT or SIGTERM to the guide stops the workers too. The workers' lines are kept in
+`./multi_worker_run/launch.log`.
 """
-command = [sys.executable, "-m", "tf_hetbatch.launch", "--workers", "2", "--cpus", "none,0.6",
-           "--threads", "1", "--timeout", "150", "--grace", "5",
-           os.path.join(RUN_DIR, "train.py"), RUN_DIR]
-print("running: python -m tf_hetbatch.launch --workers 2 --cpus none,0.6 --threads 1 "
-      "--timeout 150 --grace 5 multi_worker_run/train.py multi_worker_run")
-signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # run `finally`
-log_path = os.path.join(RUN_DIR, "launch.log")
-with open(log_path, "w") as log:
-    launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        returncode = launcher.wait(timeout=180)
-    finally:
-        if launcher.poll() is None:  # interrupted, or the wait timed out
-            launcher.terminate()  # the launcher stops its workers (SIGTERM, SIGKILL after 5 s)
-            try:
-                launcher.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                launcher.kill()
-                launcher.wait(timeout=10)
-
-with open(log_path) as log:
-    output = log.read().splitlines()
+log = io.StringIO()
+result = launch([os.path.join(RUN_DIR, "train.py"), RUN_DIR], 2, cpus=[None, 0.6], threads=1,
+                timeout=150, grace=5, stdout=log, stderr=log)
+output = log.getvalue().splitlines()
+with open(os.path.join(RUN_DIR, "launch.log"), "w") as f:
+    f.write(log.getvalue())
 for line in output:
-    if "] guide:" in line or line.startswith("[launch] all") or "exited" in line:
+    if "] guide:" in line:
         print(line)
-if returncode != 0:
+print("launch:", result.message)
+if not result.ok:
     print("\n".join(output[-40:]))
-    sys.exit(f"the launcher exited with {returncode}; its log: {log_path}")
+    sys.exit(f"the launch failed ({result.returncode}): {result.message}")
 
 """
 Three replicas in sync, one on worker 0 and two on worker 1, all CPUs: one collective group
