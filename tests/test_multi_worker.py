@@ -128,6 +128,15 @@ def test_two_workers_exact_with_a_sample_weighted_loss(switched_weighted):
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(ref, unweighted)) > 1e-3
 
 
+def test_gradient_accumulation_on_workers_hosting_different_numbers_of_replicas(tmp_path):
+    # Keras's gradient_accumulation_steps: every third step updates from the mean of three
+    # global batches' gradients, as on one device (the stock strategy fails every traced step:
+    # a merge call in the accumulation's cond branch).
+    outputs = run_cluster(tmp_path, 2, "--model", "accumulate", "--layout", "1,2",
+                          "--sizes", "5,9,18")
+    assert_every_worker_equals(reference_weights(model="accumulate"), outputs)
+
+
 def test_a_masked_loss_on_workers_hosting_different_numbers_of_replicas(tmp_path):
     # Each replica's loss divides by its unmasked samples; their global count is summed in
     # the step: exact against one device, and the logs are its global means.

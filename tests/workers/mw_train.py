@@ -126,7 +126,8 @@ def sample_weights(n):
 def build(sink=None, weighted=False, steps_per_execution=1, model="dense", slow_replica=-1,
           out_of_memory_above=None):
     """The model: "dense" (SGD, L2), "masked" (the same, its loss masked to the samples whose
-    feature 1 is positive) or "bn-adam" (SyncBatchNormalization, Adam); with
+    feature 1 is positive), "accumulate" (the same, momentum SGD accumulating 3 steps' gradients)
+    or "bn-adam" (SyncBatchNormalization, Adam); with
     `slow_replica` >= 0 that replica computes more (`ReplicaWork`); with
     `out_of_memory_above` (replica, samples) that replica runs out of memory on more samples."""
     keras.utils.set_random_seed(1)
@@ -150,7 +151,8 @@ def build(sink=None, weighted=False, steps_per_execution=1, model="dense", slow_
         layers += [keras.layers.Dense(16, activation="tanh",
                                       kernel_regularizer=keras.regularizers.L2(1e-2)),
                    keras.layers.Dense(1)]
-        optimizer = keras.optimizers.SGD(0.05)
+        optimizer = keras.optimizers.SGD(0.05) if model != "accumulate" else \
+            keras.optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=3)
     model = keras.Sequential(layers)
     # weighted: the loss is the sample-weighted mean, so replicas are weighted by their summed
     # sample weight, not their samples.
@@ -343,7 +345,7 @@ def main():
                         help="W=m : worker W creates its strategy with switch_margin=m (workers "
                         "that disagree)")
     parser.add_argument("--all-reduce", default=None, choices=["device", "host"])
-    parser.add_argument("--model", default="dense", choices=["dense", "masked", "bn-adam"])
+    parser.add_argument("--model", default="dense", choices=["dense", "masked", "accumulate", "bn-adam"])
     parser.add_argument("--slow-replica", type=int, default=-1,
                         help="this replica computes more (ReplicaWork)")
     parser.add_argument("--dynamic", default="", choices=["", "model", "proportional"],

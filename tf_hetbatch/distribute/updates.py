@@ -25,13 +25,14 @@ import tensorflow as tf
 from tf_hetbatch.distribute import timing
 from tf_hetbatch.distribute import weighting
 from tf_hetbatch.distribute.weighting import ReplicaStep, current_step
-from tf_hetbatch.distribute._upstream import collectives, metrics
+from tf_hetbatch.distribute._upstream import collectives, merge_calls, metrics
 
 
 def adapt_optimizer(optimizer) -> None:
     """Installs the strategy's `apply` on this one optimizer instance (idempotent)."""
     if optimizer is None or getattr(optimizer, "_tf_hetbatch_adapted", False):
         return
+    merge_calls.adapt_accumulating_optimizer(optimizer)
     original_apply = optimizer.apply
 
     def apply(grads, trainable_variables=None):

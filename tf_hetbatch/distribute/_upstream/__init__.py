@@ -2,9 +2,9 @@
 
 One module per upstream topic (`versions`, `autograph`, `collectives`, `keras_trainer`,
 `keras_callbacks`, `keras_callers`, `keras_losses`, `metrics`, `tf_data`, `iterators`,
-`coordination`, `ps_coordinator`, `device_layout`, `clock`), each with its canary tests in
-`tests/test_upstream_<module>.py`, so an upstream change fails loudly there first. Each
-section names what it works around and the upstream issue.
+`coordination`, `ps_coordinator`, `device_layout`, `clock`, `merge_calls`), each with its
+canary tests in `tests/test_upstream_<module>.py`, so an upstream change fails loudly there
+first. Each section names what it works around and the upstream issue.
 
 The rules (`tests/test_layers.py` checks the first two):
 - No private TensorFlow/Keras use outside this package: nothing else in tf_hetbatch imports
