@@ -56,3 +56,25 @@ def test_order_and_admission_errors_name_the_value_and_the_fix():
     assert resolve_bounds(None, 2, 1, (8, 8)) is None
     lo, hi = resolve_bounds(32, 2, 1, None)
     assert lo.tolist() == [1, 1] and hi.tolist() == [32, 32]
+
+
+def test_a_max_entry_of_none_caps_nothing_as_a_micro_batch_limit_of_none():
+    """`max_sizes=[8, None]` (as `set_micro_batch_limits([8, None])` spells it): replica 0 at
+    most 8, replica 1 uncapped; min_sizes entries stay integers."""
+    assert check_bound("max_sizes", [8, None], True) == (8, None)
+    lo, hi = resolve_bounds(32, 3, 1, [8, None, 20])
+    assert hi.tolist() == [8, 32, 20]
+    check_bounds_order([9, 30], [None, 40])  # no cap: any minimum
+    with pytest.raises(ValueError, match=r"\(replica 0: 9 > 8\)"):
+        check_bounds_order([9, 1], [8, None])
+    with pytest.raises(ValueError, match="min_sizes"):
+        check_bound("min_sizes", [1, None], False)
+    assert split_proportionally(32, [3, 1], max_sizes=[8, None]) == (8, 24)
+    ctrl = ModelBasedController(max_sizes=[8, None])
+    state = ctrl.init([16, 16])
+    assert state.sizes.tolist() == [8, 24]
+    import tf_hetbatch as hb  # the callback's config keeps it (JSON-plain)
+
+    config = hb.DynamicBatching(max_sizes=[8, None]).get_config()
+    assert config["max_sizes"] == [8, None]
+    assert hb.DynamicBatching.from_config(config).max_sizes == (8, None)

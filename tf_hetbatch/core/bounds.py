@@ -1,7 +1,8 @@
 """Per-replica batch bounds (`min_sizes`, `max_sizes`): the one type and the one rule.
 
 A bound is an int for every replica or one int per replica, each >= 0; `max_sizes` may be
-None (no cap: the global batch). A maximum of 0 keeps a replica out of the split (it gets
+None (no cap: the global batch), and so may each of its entries (no cap for that replica, as a
+micro-batch limit of None means no bound). A maximum of 0 keeps a replica out of the split (it gets
 empty batches, which the strategies run; the replica's `min_sizes` must then be 0 too).
 The checks run in stages: each bound alone and the two together when a controller or
 `DynamicBatching` is constructed (`check_bound`, `check_bounds_order`), then against the
@@ -29,10 +30,10 @@ def check_bound(name: str, value: Bounds, allow_none: bool) -> Union[int, Tuple[
     Args:
         name: "min_sizes" or "max_sizes", as the user spells it.
         value: the bound received.
-        allow_none: whether None (no bound) is allowed.
+        allow_none: whether None (no bound) is allowed, as the whole bound or as an entry.
 
     Returns:
-        An int, a tuple of ints, or None.
+        An int, a tuple of ints (and Nones, where allowed), or None.
 
     Raises:
         ValueError: anything else, e.g. "`min_sizes` must be an integer >= 0 or a list of
@@ -42,13 +43,15 @@ def check_bound(name: str, value: Bounds, allow_none: bool) -> Union[int, Tuple[
         return None
     items = None if value is None else [value] if np.ndim(value) == 0 else (
         list(value) if np.ndim(value) == 1 else None)
-    if not items or not all(isinstance(v, numbers.Integral) and not isinstance(
-            v, (bool, np.bool_)) and v >= 0 for v in items):
+    if not items or not all((v is None and allow_none) or (
+            isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)) and v >= 0)
+            for v in items):
         none = " (or None: no cap)" if allow_none else ""
         raise ValueError(f"`{name}` must be an integer >= 0 or a list of such integers, one per "
                          f"replica{none}. Received: {name}={format_value(value)}. Fix: pass e.g. "
                          f"{name}={1 if name == 'min_sizes' else 64}.")
-    return int(value) if np.ndim(value) == 0 else tuple(int(v) for v in items)
+    return int(value) if np.ndim(value) == 0 else tuple(
+        None if v is None else int(v) for v in items)
 
 
 def check_bounds_order(min_sizes: Bounds, max_sizes: Bounds) -> None:
@@ -65,7 +68,7 @@ def check_bounds_order(min_sizes: Bounds, max_sizes: Bounds) -> None:
             f"Received: min_sizes={list(min_sizes)} ({len(min_sizes)} entries), "
             f"max_sizes={list(max_sizes)} ({len(max_sizes)} entries). Fix: give both one "
             "entry per replica, or one int for every replica.")
-    lo, hi = np.broadcast_arrays(np.asarray(min_sizes), np.asarray(max_sizes))
+    lo, hi = np.broadcast_arrays(np.asarray(min_sizes), _caps(max_sizes, np.iinfo(np.int64).max))
     bad = np.flatnonzero(lo > hi)
     if bad.size:
         where = "" if lo.ndim == 0 else f" (replica {int(bad[0])}: {int(lo.flat[bad[0]])} > " \
@@ -98,7 +101,7 @@ def resolve_bounds(total: Optional[int], num: int, min_sizes: Bounds = None,
     """
     for name, value in (("min_sizes", min_sizes), ("max_sizes", max_sizes)):
         if value is not None:
-            check_bound(name, value, allow_none=False)
+            check_bound(name, value, allow_none=name == "max_sizes")
             if np.ndim(value) == 1 and len(value) != num:
                 raise ValueError(
                     f"`{name}` must have one entry per replica ({num}). Received: {name}="
@@ -108,8 +111,7 @@ def resolve_bounds(total: Optional[int], num: int, min_sizes: Bounds = None,
         return None
     lo = np.zeros(num, np.int64) if min_sizes is None else np.broadcast_to(
         np.asarray(min_sizes, np.int64), (num,)).copy()
-    hi = np.full(num, total, np.int64) if max_sizes is None else np.minimum(
-        np.broadcast_to(np.asarray(max_sizes, np.int64), (num,)), total)
+    hi = np.minimum(np.broadcast_to(_caps(max_sizes, total), (num,)), total)
     check_bounds_order(min_sizes, max_sizes)  # (a minimum above `total`: the sum's error)
     if int(lo.sum()) > total:
         raise ValueError(
@@ -126,8 +128,17 @@ def resolve_bounds(total: Optional[int], num: int, min_sizes: Bounds = None,
     return lo, hi
 
 
-def plain_bounds(value: Bounds) -> Union[int, List[int], None]:
-    """A bound as plain JSON-serialisable values (an int, a list of ints, or None)."""
+def plain_bounds(value: Bounds) -> Union[int, List[Optional[int]], None]:
+    """A bound as plain JSON-serialisable values (an int, a list of ints and Nones, or None)."""
     if value is None or np.ndim(value) == 0:
         return None if value is None else int(value)
-    return [int(v) for v in value]
+    return [None if v is None else int(v) for v in value]
+
+
+def _caps(max_sizes: Bounds, none: int) -> np.ndarray:
+    """`max_sizes` as int64, `none` for no cap (the whole bound or an entry)."""
+    if max_sizes is None:
+        return np.asarray(none, np.int64)
+    if np.ndim(max_sizes) == 0:
+        return np.asarray(max_sizes, np.int64)
+    return np.asarray([none if v is None else v for v in max_sizes], np.int64)

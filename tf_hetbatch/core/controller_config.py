@@ -36,8 +36,8 @@ class ControllerConfig:
     Attributes:
         min_sizes: [samples] smallest batch per replica: an int for all, or one per replica
             (integers >= 0, `tf_hetbatch.core.bounds`).
-        max_sizes: [samples] largest batch per replica: an int, one per replica, or None (B);
-            0 keeps a replica out of the split.
+        max_sizes: [samples] largest batch per replica: an int, one per replica (None: no
+            cap), or None (B); 0 keeps a replica out of the split.
         memory: [windows] how long the time models remember: each window's weight decays by
             1 - 1 / memory per window (1: the last window only). Changes are caught by the
             detector, not by forgetting, so a long memory costs little. Default 10.

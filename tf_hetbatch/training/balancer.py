@@ -124,8 +124,9 @@ class Balancer(tf.train.experimental.PythonState):
             `update(state, sizes, times, step_time=None) -> (sizes, state)` (it keeps its
             own bounds).
         min_sizes: smallest batch per replica, int or one int per replica (>= 0). Default 1.
-        max_sizes: largest batch per replica, int, one int per replica, or None (B). A max of
-            0 (with a min of 0) keeps a replica out of the split: it gets empty batches.
+        max_sizes: largest batch per replica, int, one int (or None: no cap) per replica, or
+            None (B). A max of 0 (with a min of 0) keeps a replica out of the split: it gets
+            empty batches.
         warmup_steps: steps after every `begin` left unmeasured (tracing). Default 5.
             Asynchronous training also waits until every worker finished 2 updates.
         interval: steps per measurement window (>= 1). Default 10. Across workers a window's
