@@ -2,7 +2,8 @@
 
 One short `fit` of 3 replicas writes the balance dashboards next to
 `keras.callbacks.TensorBoard` in the same log dir; a real TensorBoard server then serves every
-replica's batch-size series at exactly the window steps the callback measured.
+replica's batch-size series at exactly the window steps the callback measured, and the
+gradient noise scale the strategy measures (`measure_gradient_noise`).
 """
 
 import glob
@@ -14,7 +15,7 @@ import pytest
 
 import tf_hetbatch as hb
 from helpers import build_under, dense_model, regression_data
-from test_summaries import get_json, start_tensorboard
+from test_summaries import _layout_categories, get_json, start_tensorboard
 from tf_hetbatch.dashboards import summaries
 
 NUM_REPLICAS = 3
@@ -26,6 +27,7 @@ def trained(tmp_path_factory):
     log_dir = str(tmp_path_factory.mktemp("logs"))
     x, y = regression_data()  # 320 samples, global batch 32
     strategy = hb.HeteroMirroredStrategy([f"/cpu:{i}" for i in range(NUM_REPLICAS)])
+    strategy.measure_gradient_noise()
     model = build_under(strategy, dense_model)
     callback = hb.DynamicBatching(initial=[8, 8, 16], log_dir=log_dir, warmup_steps=2,
                                   interval=3)
@@ -98,3 +100,17 @@ def test_tensorboard_serves_every_change_of_split_as_text(trained, tensorboard_u
                      run=summaries.cluster_run(), tag=summaries.TAG_ADJUSTMENT)
     assert [t["step"] for t in texts] == [e["step"] for e in callback.history]
     assert "initial split: given sizes" in texts[0]["text"]
+
+
+def test_tensorboard_serves_the_noise_scale_and_efficiency_of_every_window(
+        trained, tensorboard_url):
+    _, callback, _ = trained
+    charts = _layout_categories(tensorboard_url)[summaries.LAYOUT_NOISE_CATEGORY]
+    assert [c["title"] for c in charts] == [title for title, _ in summaries.NOISE_CHARTS]
+    for tag, key in ((summaries.TAG_NOISE_SCALE, "gradient_noise_scale"),
+                     (summaries.TAG_STATISTICAL_EFFICIENCY, "statistical_efficiency")):
+        answer = get_json(tensorboard_url, "/data/plugin/custom_scalars/scalars",
+                          run=summaries.cluster_run(), tag=f"^{tag}$")
+        events = answer["tag_to_events"][tag]
+        assert [e[1] for e in events] == [w["step"] for w in callback.windows]
+        assert [e[2] for e in events] == pytest.approx([w[key] for w in callback.windows])

@@ -137,6 +137,29 @@ def test_gradient_accumulation_on_workers_hosting_different_numbers_of_replicas(
     assert_every_worker_equals(reference_weights(model="accumulate"), outputs)
 
 
+def test_the_gradient_noise_scale_is_one_hosts_on_every_worker(tmp_path, cpus):
+    # The replicas' squared norms travel in the step's one all-reduce: every worker holds the
+    # same estimates, those of one host at the same split.
+    import tensorflow as tf
+
+    import tf_hetbatch as hb
+
+    outputs = run_cluster(tmp_path, 2, "--layout", "1,2", "--sizes", "5,9,18",
+                          "--measure-noise")
+    (_, first), (_, second) = outputs
+    assert first["noise"] == second["noise"] and first["noise"][2] == 20
+    strategy = hb.HeteroMirroredStrategy(cpus[:3])
+    strategy.set_batch_sizes([5, 9, 18])
+    strategy.measure_gradient_noise()
+    with strategy.scope():
+        model = mw_train.build()
+    x, y = mw_train.data(320)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), epochs=2, verbose=0)
+    one_host = strategy.gradient_noise_scale
+    np.testing.assert_allclose(first["noise"][:2], [one_host.gradient_sq, one_host.trace],
+                               rtol=1e-4)
+
+
 def test_a_masked_loss_on_workers_hosting_different_numbers_of_replicas(tmp_path):
     # Each replica's loss divides by its unmasked samples; their global count is summed in
     # the step: exact against one device, and the logs are its global means.

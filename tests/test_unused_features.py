@@ -1,6 +1,6 @@
 """What a run does not use costs its steps nothing: without micro-batch limits a step touches
 none of their state (the limits, the out-of-memory update gate and failure flags) and has no
-micro-batch loop. Checked in the traced step of Keras's own `train_step` on 2 logical CPUs at
+micro-batch loop; without `measure_gradient_noise` none of the noise scale's. Checked in the traced step of Keras's own `train_step` on 2 logical CPUs at
 an uneven split; the same step with limits set shows what the check looks for."""
 
 import keras
@@ -15,11 +15,13 @@ MICRO_BATCH_STATE = {"hetbatch_micro_batch_limits", "hetbatch_update_gate",
                      "hetbatch_out_of_memory_flags"}
 
 
-def _traced_train_step(cpus, limits):
+def _traced_train_step(cpus, limits, noise=False):
     strategy = hb.HeteroMirroredStrategy(cpus[:2])
     strategy.set_batch_sizes([10, 22])
     if limits is not None:
         strategy.set_micro_batch_limits(limits)
+    if noise:
+        strategy.measure_gradient_noise()
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
                                   keras.layers.Dense(1)])
@@ -50,3 +52,9 @@ def test_a_step_without_micro_batch_limits_has_none_of_their_work(cpus, limits):
     else:
         assert {"hetbatch_micro_batch_limits", "hetbatch_update_gate"} <= state
         assert op_types & {"While", "StatelessWhile"}
+
+
+@pytest.mark.parametrize("noise", [False, True], ids=["off", "measured"])
+def test_a_step_without_the_noise_scale_has_none_of_its_state(cpus, noise):
+    state, _ = _traced_train_step(cpus, None, noise)
+    assert ("hetbatch_gradient_noise" in state) == noise

@@ -22,6 +22,7 @@ _PUBLIC = {
     "DeviceLayout": "tf_hetbatch.distribute.layout",
     "ReplicaTimes": "tf_hetbatch.core.measurements",
     "Staleness": "tf_hetbatch.core.measurements",
+    "GradientNoise": "tf_hetbatch.core.gradient_noise",
     "split_here": "tf_hetbatch.distribute.input_work",
     "probe_micro_batch_limits": "tf_hetbatch.distribute.memory_probe",
     "MemoryProbe": "tf_hetbatch.distribute.memory_probe",

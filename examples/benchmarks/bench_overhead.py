@@ -13,6 +13,8 @@
       case: static per-replica shapes, which a split that changes between steps cannot
       have), and batches of unknown size from a finite dataset, as `fit(x, y, batch_size=B)`
       builds from arrays (dynamic shapes for both strategies).
+    - with `--noise`, a fourth set-up: ours measuring the gradient noise scale
+      (`measure_gradient_noise`), its per-step ratio to ours without (goal: < 1.01).
     - once per epoch: the pipeline start (a new distributed iterator to its first step) and
       end (the iterator released after 10 steps), alternating, in ms.
 (b) A homogeneous 2-worker cluster (equal CPU caps, one process per worker): ours at the even
@@ -91,6 +93,9 @@ def single_host(args, tiny, blocks):
     strategies = {"stock": tf.distribute.MirroredStrategy(devices),
                   "control": Control(devices),
                   "ours": hb.HeteroMirroredStrategy(devices)}
+    if args.noise:  # ours measuring the gradient noise scale: its cost against ours without
+        strategies["noise"] = hb.HeteroMirroredStrategy(devices)
+        strategies["noise"].measure_gradient_noise()
     out = {}
     for model_name in args.models.split(","):
         plan = {"model": model_name, "filters": 8}
@@ -132,6 +137,10 @@ def single_host(args, tiny, blocks):
               f"{m['pipeline_start_ms']['ours']['median']:.0f} ms, end "
               f"{m['pipeline_end_ms']['stock']['median']:.0f} / "
               f"{m['pipeline_end_ms']['ours']['median']:.0f} ms", flush=True)
+        if "noise_ratio" in m:
+            print(f"    (a) {model_name}: measuring the noise scale / not: "
+                  f"{bc.fmt_ratio(m['noise_ratio'])} per step, CPU "
+                  f"{bc.fmt_ratio(m['noise_cpu_ratio'])}", flush=True)
     return {"data": source, "models": out}
 
 
@@ -154,7 +163,15 @@ def _steady_state(strategies, models, data, block, blocks, rng):
              for name in ("control", "ours")}
     cpu_ratio = {name: list(np.array(cpu[name]) / np.array(cpu["stock"]))
                  for name in ("control", "ours")}
-    return {"stock_ms": wall["stock"], "control_ms": wall["control"], "ours_ms": wall["ours"],
+    noise = {}
+    if "noise" in strategies:
+        noise = {"noise_ms": wall["noise"],
+                 "noise_ratio": bc.ratio_stats(list(np.array(wall["noise"]) /
+                                                    np.array(wall["ours"])), rng),
+                 "noise_cpu_ratio": bc.ratio_stats(list(np.array(cpu["noise"]) /
+                                                        np.array(cpu["ours"])), rng)}
+    return {**noise, "stock_ms": wall["stock"], "control_ms": wall["control"],
+            "ours_ms": wall["ours"],
             "stock": bc.stats(wall["stock"]), "control": bc.stats(wall["control"]),
             "ours": bc.stats(wall["ours"]),
             "ratios": ratio["ours"], "control_ratios": ratio["control"],
@@ -254,6 +271,8 @@ def main(argv=None):
     parser.add_argument("--parts", default="a,b",
                         help="parts to run: a (one host), b (the 2-worker cluster) or a,b")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--noise", action="store_true",
+                        help="(a) also ours measuring the gradient noise scale, against ours")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
     if not parts or parts - {"a", "b"}:

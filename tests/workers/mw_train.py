@@ -345,6 +345,8 @@ def main():
                         help="W=m : worker W creates its strategy with switch_margin=m (workers "
                         "that disagree)")
     parser.add_argument("--all-reduce", default=None, choices=["device", "host"])
+    parser.add_argument("--measure-noise", action="store_true",
+                        help="measure the gradient noise scale (`noise` in the JSON)")
     parser.add_argument("--model", default="dense", choices=["dense", "masked", "accumulate", "bn-adam"])
     parser.add_argument("--slow-replica", type=int, default=-1,
                         help="this replica computes more (ReplicaWork)")
@@ -384,6 +386,8 @@ def main():
         strategy.set_batch_sizes([int(s) for s in args.sizes.split(",")])
     if args.micro_batch_limits:
         strategy.set_micro_batch_limits(limits(args.micro_batch_limits))
+    if args.measure_noise:
+        strategy.measure_gradient_noise()
     sink = Sink()
     with strategy.scope():
         model = build(sink, weighted=args.sample_weight,
@@ -493,6 +497,8 @@ def main():
                 "times": switch.rows if args.switch_step else [],
                 "extra": switch.extra if args.switch_step else [],
                 "batch_sizes": list(strategy.batch_sizes),
+                "noise": [getattr(strategy.gradient_noise_scale, name, None)
+                          for name in ("gradient_sq", "trace", "steps")],
                 "chief": strategy.is_chief,
                 "num_replicas": strategy.num_replicas_in_sync,
                 "replica_range": [strategy.layout.offset, strategy.num_local_replicas],

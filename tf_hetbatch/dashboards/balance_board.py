@@ -38,6 +38,9 @@ class BalanceBoard:
             return
         self._writer.log_window(window["step"], window["samples_per_step"],
                                 window["time_per_step"], window["step_time"])
+        if "gradient_noise_scale" in window:  # `measure_gradient_noise`
+            self._writer.log_gradient_noise(window["step"], window["gradient_noise_scale"],
+                                            window["statistical_efficiency"])
 
     def log_adjustment(self, entry: Mapping[str, Any]) -> None:
         """One change of split: a `DynamicBatching.history` entry."""

@@ -10,6 +10,8 @@ TensorBoard event files laid out so that the replicas overlay each other:
 <log_dir>/hetbatch/cluster     hetbatch/balance_efficiency, hetbatch/step_time_ms,
                                hetbatch/throughput, hetbatch/global_batch,
                                hetbatch/ideal_step_time_ms, hetbatch/adjustment (text),
+                               hetbatch/gradient_noise_scale and
+                               hetbatch/statistical_efficiency (where measured),
                                and the custom-scalars layout (step 0)
 ```
 
@@ -65,6 +67,9 @@ TAG_THROUGHPUT = "hetbatch/throughput"
 TAG_GLOBAL_BATCH = "hetbatch/global_batch"
 TAG_IDEAL_STEP_TIME_MS = "hetbatch/ideal_step_time_ms"
 TAG_ADJUSTMENT = "hetbatch/adjustment"
+# Where the strategy measures the gradient noise (`measure_gradient_noise`).
+TAG_NOISE_SCALE = "hetbatch/gradient_noise_scale"
+TAG_STATISTICAL_EFFICIENCY = "hetbatch/statistical_efficiency"
 CLUSTER_TAGS = (
     TAG_BALANCE_EFFICIENCY,
     TAG_STEP_TIME_MS,
@@ -76,6 +81,7 @@ CLUSTER_TAGS = (
 LAYOUT_CATEGORY = "tf_hetbatch balance"
 LAYOUT_CLUSTER_CATEGORY = "tf_hetbatch cluster"
 LAYOUT_STALENESS_CATEGORY = "tf_hetbatch staleness"
+LAYOUT_NOISE_CATEGORY = "tf_hetbatch gradient noise"
 
 # (chart title, tag regexes) per category of the custom-scalars layout.
 REPLICA_CHARTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
@@ -89,6 +95,10 @@ CLUSTER_CHARTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("Step time vs ideal (ms)", (rf"^{TAG_STEP_TIME_MS}$", rf"^{TAG_IDEAL_STEP_TIME_MS}$")),
     ("Aggregate throughput (samples/s)", (rf"^{TAG_THROUGHPUT}$",)),
     ("Global batch (samples/step)", (rf"^{TAG_GLOBAL_BATCH}$",)),
+)
+NOISE_CHARTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    ("Gradient noise scale B_noise (samples)", (rf"^{TAG_NOISE_SCALE}$",)),
+    ("Statistical efficiency of the global batch", (rf"^{TAG_STATISTICAL_EFFICIENCY}$",)),
 )
 
 STALENESS_CHARTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
@@ -197,11 +207,12 @@ def _scalars_pb(values) -> bytes:
     ).SerializeToString()
 
 
-def make_layout(staleness: bool = False):
+def make_layout(staleness: bool = False, noise: bool = False):
     """Builds the custom-scalars layout of the balance dashboards.
 
     Args:
       staleness: also the `LAYOUT_STALENESS_CATEGORY` charts (asynchronous training).
+      noise: also the `LAYOUT_NOISE_CATEGORY` charts (the gradient noise is measured).
 
     Returns:
       A `tensorboard.plugins.custom_scalar.layout_pb2.Layout` with the categories
@@ -227,6 +238,8 @@ def make_layout(staleness: bool = False):
     ]
     if staleness:
         categories.append(category(LAYOUT_STALENESS_CATEGORY, STALENESS_CHARTS))
+    if noise:
+        categories.append(category(LAYOUT_NOISE_CATEGORY, NOISE_CHARTS))
     return layout_pb2.Layout(category=categories)
 
 
@@ -287,8 +300,10 @@ class BalanceWriter:
         self._adjustments: List[_Adjustment] = []
         self._writers: Optional[Dict[str, object]] = None
         self._staleness: List[Tuple[int, Tuple[float, ...], Tuple[float, ...]]] = []
+        self._noise: List[Tuple[int, float, float]] = []
         self._layout_written = False
         self._layout_staleness = False
+        self._layout_noise = False
         self._closed = False
 
     @property
@@ -395,13 +410,28 @@ class BalanceWriter:
         self._staleness.append((step, tuple(float(v) for v in mean),
                                 tuple(float(v) for v in maximum)))
 
+    def log_gradient_noise(self, step: int, scale: float, efficiency: float) -> None:
+        """Buffers the gradient noise scale and the statistical efficiency of the global batch
+        (`GradientNoise.scale`, `GradientNoise.efficiency`), written to the cluster run as
+        `hetbatch/gradient_noise_scale` and `hetbatch/statistical_efficiency`, with a "tf_hetbatch
+        gradient noise" category in the layout. A value that is not finite (nothing measured
+        yet; noise dominating) gets no point. Written with the windows.
+
+        Raises:
+          TypeError, ValueError: for a step that is not an int >= 0.
+          RuntimeError: if the writer is closed.
+        """
+        self._check_open("log_gradient_noise")
+        self._noise.append((_check_step(step), float(scale), float(efficiency)))
+
     def flush(self) -> None:
         """Writes everything buffered and flushes the event files.
 
         Raises:
           RuntimeError: if called inside a `tf.function` (call it eagerly).
         """
-        if not (self._windows or self._adjustments or self._staleness) and self._writers is None:
+        if not (self._windows or self._adjustments or self._staleness or self._noise) \
+                and self._writers is None:
             return
         import tensorflow as tf
 
@@ -416,11 +446,13 @@ class BalanceWriter:
         windows, self._windows = self._windows, []
         adjustments, self._adjustments = self._adjustments, []
         staleness, self._staleness = self._staleness, []
+        noise, self._noise = self._noise, []
         with tf.device("/cpu:0"), tf.summary.record_if(True):
             writers = self._get_writers(tf)
-            self._write_layout(tf, writers[cluster_run()], bool(staleness))
+            self._write_layout(tf, writers[cluster_run()], bool(staleness), bool(noise))
             self._write_windows(tf, writers, windows)
             self._write_staleness(tf, writers, staleness)
+            self._write_noise(tf, writers[cluster_run()], noise)
             self._write_adjustments(tf, writers[cluster_run()], adjustments)
             for writer in writers.values():
                 writer.flush()
@@ -472,21 +504,24 @@ class BalanceWriter:
             )
         return self._writers
 
-    def _write_layout(self, tf, writer, staleness: bool) -> None:
+    def _write_layout(self, tf, writer, staleness: bool, noise: bool) -> None:
         staleness = staleness or self._layout_staleness
-        if self._layout_written and staleness == self._layout_staleness:
+        noise = noise or self._layout_noise
+        if self._layout_written and (staleness, noise) == (self._layout_staleness,
+                                                           self._layout_noise):
             return
         from tensorboard.plugins.custom_scalar import metadata
 
         with writer.as_default():
             tf.summary.write(
                 tag=metadata.CONFIG_SUMMARY_TAG,
-                tensor=tf.constant(make_layout(staleness).SerializeToString()),
+                tensor=tf.constant(make_layout(staleness, noise).SerializeToString()),
                 metadata=metadata.create_summary_metadata(),
                 step=0,
             )
         self._layout_written = True
         self._layout_staleness = staleness
+        self._layout_noise = noise
 
     def _write_windows(self, tf, writers, windows: List[BalanceWindow]) -> None:
         # One raw Summary proto per (run, window) holding all of its scalars: a single eager
@@ -522,6 +557,15 @@ class BalanceWriter:
                     if maximum[k] >= 0 and mean[k] == mean[k]:  # the worker had updates
                         values = ((TAG_STALENESS_MEAN, mean[k]), (TAG_STALENESS_MAX, maximum[k]))
                         tf.summary.experimental.write_raw_pb(_scalars_pb(values), step=step)
+
+    def _write_noise(self, tf, writer, noise) -> None:
+        with writer.as_default():
+            for step, scale, efficiency in noise:
+                values = [(tag, v) for tag, v in ((TAG_NOISE_SCALE, scale),
+                                                  (TAG_STATISTICAL_EFFICIENCY, efficiency))
+                          if math.isfinite(v)]
+                if values:
+                    tf.summary.experimental.write_raw_pb(_scalars_pb(values), step=step)
 
     def _write_adjustments(self, tf, writer, adjustments: List[_Adjustment]) -> None:
         with writer.as_default():

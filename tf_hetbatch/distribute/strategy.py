@@ -11,8 +11,10 @@ import tensorflow as tf
 from tf_hetbatch.core import _validate
 from tf_hetbatch.core import split
 from tf_hetbatch.core import split_state
+from tf_hetbatch.core.gradient_noise import GradientNoise
 from tf_hetbatch.core.measurements import ReplicaTimes
 from tf_hetbatch.distribute import device_peaks
+from tf_hetbatch.distribute import gradient_noise
 from tf_hetbatch.distribute import input_split
 from tf_hetbatch.distribute import input_work
 from tf_hetbatch.distribute import iterator_release
@@ -57,6 +59,7 @@ class HeteroMixin(micro_batches.LimitsMixin):
         self._timing = timing.TimingAccumulators(
             self, self.num_local_replicas, from_release=where.time_from_release
         )
+        self._noise = None  # `measure_gradient_noise`
         self._steps = step_run.StepRunner(self)
 
     # ----------------------------------------------------------------- the split ---------------
@@ -199,6 +202,39 @@ class HeteroMixin(micro_batches.LimitsMixin):
         if reset:
             self._timing.start_measurement(times)
         return times
+
+    def measure_gradient_noise(self, smoothing: float = 0.95) -> None:
+        """Measures the gradient noise scale in every training step traced from now on.
+
+        Each step's uneven (or even) split gives gradients at several batch sizes: from the
+        squared norms of the replicas' mean gradients and of the global one, the step estimates
+        |G|^2 (the true gradient's squared norm) and tr(S) (one sample's gradient noise), for
+        K * 2 floats more in the step's one all-reduce and no collective of its own
+        (`tf_hetbatch.distribute.gradient_noise`). Read them with `gradient_noise_scale`.
+        Off by default: a step traced before this call measures nothing (call it before `fit`,
+        or compile the model again).
+
+        Args:
+            smoothing: the exponential moving average's factor per measured step, in [0, 1):
+                0.95 averages over about the last 20 steps.
+
+        Raises:
+            ValueError: `smoothing` outside [0, 1).
+        """
+        if not 0.0 <= float(smoothing) < 1.0:
+            raise ValueError(
+                f"measure_gradient_noise(smoothing={smoothing!r}): the moving average's factor "
+                "must be in [0, 1). Fix: pass e.g. smoothing=0.95 (about the last 20 steps).")
+        if self._noise is None:
+            self._noise = gradient_noise.NoiseAccumulators(self, float(smoothing))
+        self._noise.smoothing = float(smoothing)
+
+    @property
+    def gradient_noise_scale(self) -> Optional[GradientNoise]:
+        """The smoothed estimates of |G|^2 and tr(S) and the noise scale
+        `GradientNoise.scale` = tr(S) / |G|^2, as of the last step (None unless
+        `measure_gradient_noise` was called). Read between steps; local: no collective."""
+        return None if self._noise is None else self._noise.read()
 
     def restart_step_clock(self) -> None:
         """Times the next step of each replica from its inputs being ready, not from its release.

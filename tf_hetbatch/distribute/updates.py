@@ -69,6 +69,9 @@ def _apply_replica_gradients(step, optimizer, original_apply, grads, trainable_v
     if step.timing is not None and not step.timed:
         grads = _timed_gradients(step, grads)  # the replica's own work ends here
         step.timed = True
+    if step.noise is not None and not step.noise_measured:
+        step.noise_row = step.noise.row(grads, step.share(weighting.BATCH), step.samples)
+        step.noise_measured = True
     if step.carry_logs and step.held is None:
         step.held = (grads, lambda summed: _apply_summed(
             optimizer, original_apply, summed, trainable_variables))
@@ -99,18 +102,25 @@ def _apply_summed(optimizer, original_apply, summed, trainable_variables):
         return original_apply(summed, trainable_variables)
 
 
-def _sum_with_timing(step, values, gate=None, flags=None):
+def _sum_with_timing(step, values, gate=None, flags=None, gradients=None):
     """Replica context: `values` summed across replicas; the step's first sum also carries the
-    replica's timing table (`timing`), records it and stamps the release. With `gate` (an
+    replica's timing table (`timing`), records it and stamps the release, and its gradient
+    noise table (`gradient_noise`: the first `gradients` values are the gradients, default
+    all). With `gate` (an
     `out_of_memory.UpdateGate`) the sum starts once every local replica's values are there
     and the gate records it; with `flags` (`out_of_memory.StepFlags`) the sum also carries
     them, and `step.apply_if` says whether the step may apply its update (a step another
     worker could not finish records no time)."""
     row, step.timing_row = step.timing_row, None
-    extra = ([] if row is None else [row]) + ([] if flags is None else [flags.none()])
+    noise, step.noise_row = step.noise_row, None
+    extra = [t for t in (row, noise) if t is not None] + ([] if flags is None else [flags.none()])
     summed = sum_across_replicas(values + extra, gate=gate)
     if flags is not None:
         step.apply_if = flags.received(summed.pop(), values + extra)
+    if noise is not None:
+        table = summed.pop()
+        step.noise.record(table, summed[:len(values) if gradients is None else gradients],
+                          step.apply_if)
     if row is None:
         return summed
     table = summed.pop()
@@ -136,7 +146,7 @@ def finish_step(step: ReplicaStep, model, outputs):
     dense = [g for g in grads if g is not None]
     flags = step.failure_flags if metric_values is not None else None  # one all-reduce only
     gate = step.update_gate if step.micro_batched else None
-    summed = _sum_with_timing(step, dense + locals_, gate, flags)
+    summed = _sum_with_timing(step, dense + locals_, gate, flags, gradients=len(dense))
     summed_grads, sums = summed[:len(dense)], summed[len(dense):]
     summed_grads = iter(summed_grads)
     summed_grads = [None if g is None else next(summed_grads) for g in grads]

@@ -128,6 +128,11 @@ class ReplicaStep:
     # Its timing table (`timing.TimingAccumulators.row`), until the step's first sum carries it.
     timing_row: Optional[tf.Tensor] = None
     timing_kept: Optional[tf.Tensor] = None  # 1.0: the step has the last step's shape (timing)
+    # Where the gradient noise is measured (`gradient_noise.NoiseAccumulators`): the replica's
+    # table, until the step's first sum carries it.
+    noise: Any = None
+    noise_measured: bool = False
+    noise_row: Optional[tf.Tensor] = None
     # Across workers, with micro-batch limits: the out-of-memory flags the step's one
     # all-reduce carries (`out_of_memory.FailureFlags`), and whether its update may apply.
     failure_flags: Any = None

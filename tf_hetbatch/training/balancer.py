@@ -143,7 +143,9 @@ class Balancer(tf.train.experimental.PythonState):
         history: list of dicts `{"step", "old", "new", "reason"}`, one per split applied
             (the first is the initial split).
         windows: list of dicts `{"step", "samples_per_step", "time_per_step", "step_time",
-            "used"}`, one per measured window (in memory only, the last 10000).
+            "used"}`, one per measured window (in memory only, the last 10000); where the
+            strategy measures the gradient noise (`measure_gradient_noise`), also
+            `"gradient_noise_scale"` and `"statistical_efficiency"` (of the global batch).
         controller_state: the controller's current state (None before the first split).
 
     Raises:
@@ -561,6 +563,10 @@ class Balancer(tf.train.experimental.PythonState):
     def _log_window(self, sizes, secs, step_time, used):
         window = {"step": int(self._global_step), "samples_per_step": sizes.tolist(),
                   "time_per_step": secs.tolist(), "step_time": float(step_time), "used": used}
+        noise = getattr(self._strategy, "gradient_noise_scale", None)
+        if noise is not None and noise.steps:  # `measure_gradient_noise`
+            window["gradient_noise_scale"] = noise.scale
+            window["statistical_efficiency"] = noise.efficiency(float(np.sum(sizes)))
         self.windows.append(window)
         del self.windows[:-_MAX_WINDOWS_KEPT]
         if self._board is not None:

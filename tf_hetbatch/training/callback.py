@@ -52,7 +52,10 @@ class DynamicBatching(keras.callbacks.Callback):
     Its arguments (`initial`, `controller`, `min_sizes`, `max_sizes`, `warmup_steps`,
     `interval`, `probe_steps`, `log_dir`, `verbose`) are the balancer's options, as for
     `tf_hetbatch.Balancer` (the strategy is the model's). `warmup_steps` are the first steps of
-    every `fit`; the PNG is written at the end of training.
+    every `fit`; the PNG is written at the end of training. Where the strategy measures the
+    gradient noise (`measure_gradient_noise`), each epoch's logs (so `History`) carry
+    `gradient_noise_scale`, and each window its scale and the statistical efficiency of the
+    global batch (`GradientNoise.efficiency`).
 
     Attributes:
         balancer: the `Balancer` it drives.
@@ -184,6 +187,9 @@ class DynamicBatching(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._report_steps()
+        noise = getattr(self.balancer.strategy, "gradient_noise_scale", None)
+        if logs is not None and noise is not None and noise.steps:  # into History
+            logs["gradient_noise_scale"] = noise.scale
 
     def on_train_end(self, logs=None):
         self._report_steps()
