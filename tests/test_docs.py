@@ -44,7 +44,7 @@ def test_readme_links_to_files_that_exist():
 def test_the_guides_are_the_manuals_and_each_has_a_title():
     names = {path.stem for path in GUIDES}
     assert names == {"quickstart", "mixed_devices", "multi_worker", "custom_steps", "memory",
-                     "checkpoints", "async_training", "dashboards", "exactness"}
+                     "checkpoints", "async_training", "dashboards", "exactness", "batch_size"}
     for path in GUIDES:
         page = guide_to_markdown(path.read_text(), path.name)
         assert page.startswith("# "), path.name  # the first statement is prose with a title
