@@ -155,3 +155,27 @@ def test_dynamic_batching_puts_the_scale_in_history_and_its_windows(cpus):
     _, history, windows = fit(False)
     assert "gradient_noise_scale" not in history
     assert windows and not any("gradient_noise_scale" in w for w in windows)
+
+
+@pytest.mark.parametrize("how", ["micro_batches_spe4", "eager"])
+def test_the_estimates_do_not_depend_on_how_the_step_runs(cpus, how):
+    """Micro-batches (each replica's share in pieces, several steps per execution) and an
+    eager step measure what the plain traced step measures on the same data."""
+    x, y = _classification(32 * 20)
+
+    def fit(limits=None, **compile_kwargs):
+        strategy = hb.HeteroMirroredStrategy(cpus[:2])
+        strategy.set_batch_sizes([7, 25])
+        strategy.set_micro_batch_limits(limits)
+        strategy.measure_gradient_noise()
+        with strategy.scope():
+            model = _classifier()
+            model.compile(keras.optimizers.SGD(0.01), model.loss, **compile_kwargs)
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        return strategy.gradient_noise_scale
+
+    plain = fit()
+    other = fit([4, 10], steps_per_execution=4) if how != "eager" else fit(run_eagerly=True)
+    assert other.steps == plain.steps == 20
+    assert (other.gradient_sq, other.trace) == pytest.approx(
+        (plain.gradient_sq, plain.trace), rel=1e-4)

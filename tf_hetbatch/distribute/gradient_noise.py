@@ -56,12 +56,13 @@ class NoiseAccumulators:
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
                 name="hetbatch_gradient_noise")
 
-    def row(self, grads, share, samples) -> tf.Tensor:
+    def row(self, grads, samples, total) -> tf.Tensor:
         """Replica context: this replica's [K, 4] float32 table (zero except its row): its
         point (the squared norm of its mean gradient, 1 / its samples, each times 1 if it has
-        samples, and that 1) and its samples."""
-        share = tf.cast(share, tf.float32)
+        samples, and that 1) and its samples, of the step's `total`. (The step's samples, not
+        a micro-batch's: the gradients are the sum of its micro-batches'.)"""
         samples = tf.cast(samples, tf.float32)
+        share = tf.math.divide_no_nan(samples, tf.cast(total, tf.float32))
         has = share > 0
         norm = _squared_norm(grads) / tf.square(tf.where(has, share, 1.0))
         point = tf.stack([norm, 1.0 / tf.maximum(samples, 1.0), 1.0]) * tf.cast(has, tf.float32)
