@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -127,15 +127,25 @@ def _plain(value: Any) -> Any:
 
 
 def _arrays(value: Any):
-    """The numpy arrays of a record (and of the records in it)."""
-    if isinstance(value, np.ndarray):
-        yield value
-    elif dataclasses.is_dataclass(value):
-        for f in dataclasses.fields(value):
-            yield from _arrays(getattr(value, f.name))
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _arrays(v)
+    """The numpy arrays of a record (and of the records in it). Every update makes a state, so
+    the walk is iterative and reads each record type's fields once (`_FIELDS`)."""
+    pending = [value]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, np.ndarray):
+            yield value
+        elif isinstance(value, (tuple, list)):  # NamedTuples too
+            pending.extend(value)
+        elif value is not None and not isinstance(value, (int, float, str, enum.Enum)):
+            names = _FIELDS.get(type(value))
+            if names is None:
+                names = _FIELDS[type(value)] = tuple(
+                    f.name for f in dataclasses.fields(value)) if dataclasses.is_dataclass(
+                    value) else ()
+            pending.extend(getattr(value, name) for name in names)
+
+
+_FIELDS: Dict[type, Tuple[str, ...]] = {}  # a record type's field names
 
 
 # ---------------------------------------------------------------------------- from JSON ---
