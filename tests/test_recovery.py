@@ -575,3 +575,46 @@ def test_resuming_a_later_epoch_of_data_that_reshuffles_says_its_order_differs(
     assert len(said) == (1 if reshuffle else 0)
     if reshuffle:
         assert "reshuffle_each_iteration=False" in said[0].getMessage()
+
+
+_FAILED_FIT_THEN_SIGTERM = """
+import os, signal, sys, time
+sys.path.insert(0, {workers!r})
+import worker_start  # noqa: F401
+import keras, numpy as np
+import tf_hetbatch as hb
+
+class Fails(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            raise RuntimeError("a step failed")
+
+strategy = hb.HeteroMirroredStrategy(["/cpu:0"])
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+x = np.zeros((64, 4), "float32")
+try:
+    model.fit(x, x[:, :1], batch_size=8, verbose=0,
+              callbacks=[hb.ResumableCheckpoint({directory!r}), Fails()])
+except RuntimeError:
+    print("caught", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(10)
+print("survived", flush=True)
+"""
+
+
+def test_a_sigterm_after_a_fit_that_raised_ends_the_process(tmp_path):
+    """Keras calls `on_train_end` only when `fit` returns, so a fit that raised left the notice's
+    SIGTERM handler installed and a process that caught the error ignored every later SIGTERM.
+    Now a SIGTERM outside the fit that started the notice goes to the previous handler (the
+    default: the process ends)."""
+    script = tmp_path / "failed_fit.py"
+    script.write_text(_FAILED_FIT_THEN_SIGTERM.format(
+        workers=os.path.dirname(WORKER), directory=str(tmp_path / "ckpt")))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert "caught" in done.stdout, done.stderr[-2000:]
+    assert "survived" not in done.stdout
+    assert done.returncode == -signal.SIGTERM

@@ -27,7 +27,7 @@ import logging
 import signal
 import threading
 import time
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class PreemptionNotice:
     after saving, exit with `RESTART_EXIT_CODE`; `close()` when training ends (restores the
     previous SIGTERM handler, stops the thread). `request()` gives the notice from code.
 
-    While started, a SIGTERM does not end the process: it only asks for the save. Before
+    While started, a SIGTERM does not end the process: it only asks for the save (unless the
+    training it was started for is over: `start(alive=...)`). Before
     `start` the process's own handler is in force; note that in a multi-worker process
     TensorFlow's coordination service installs a C++ SIGTERM handler that does not end the
     process either, while Python still reports the default handler. `close` puts back the
@@ -96,6 +97,7 @@ class PreemptionNotice:
         self._thread: Optional[threading.Thread] = None
         self._old_handler = None
         self._installed = False
+        self._alive: Optional[Callable[[Any], bool]] = None
 
     # ------------------------------------------------------------------ public ------------
     @property
@@ -128,8 +130,16 @@ class PreemptionNotice:
             self._noticed_at = time.monotonic()
         self._requested.set()
 
-    def start(self) -> None:
-        """Installs the SIGTERM handler (main thread only) and starts watching for notices."""
+    def start(self, alive: Optional[Callable[[Any], bool]] = None) -> None:
+        """Installs the SIGTERM handler (main thread only) and starts watching for notices.
+
+        Args:
+            alive: given the main thread's frame when a SIGTERM arrives, whether the training
+                that started the notice still runs. If not (it raised, so nothing closed the
+                notice), the notice closes and the signal goes to the previous handler: a
+                process that caught the error still ends on SIGTERM.
+        """
+        self._alive = alive
         self._stop.clear()
         if threading.current_thread() is threading.main_thread():
             self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -144,11 +154,7 @@ class PreemptionNotice:
 
     def close(self) -> None:
         """Restores the previous SIGTERM handler and stops the watcher thread."""
-        if self._installed:
-            # None: the previous handler was not installed from Python; the default then.
-            old = signal.SIG_DFL if self._old_handler is None else self._old_handler
-            signal.signal(signal.SIGTERM, old)
-            self._installed = False
+        self._restore_handler()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=WATCH_POLL_S + 5.0)
@@ -174,8 +180,19 @@ class PreemptionNotice:
         return step >= target
 
     # ------------------------------------------------------------------ internals ---------
+    def _restore_handler(self) -> None:
+        if self._installed:
+            # None: the previous handler was not installed from Python; the default then.
+            old = signal.SIG_DFL if self._old_handler is None else self._old_handler
+            signal.signal(signal.SIGTERM, old)
+            self._installed = False
+
     def _on_sigterm(self, signum, frame):
-        del signum, frame
+        if self._alive is not None and not self._alive(frame):
+            self._restore_handler()
+            self._stop.set()
+            signal.raise_signal(signum)  # to the handler before ours (the default: exit)
+            return
         self._how = "SIGTERM"
         self.request()
 

@@ -12,8 +12,10 @@ redone, and nothing after a preemption notice (`tf_hetbatch.training.preemption`
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import sys
 import zlib
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -362,7 +364,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._notice = PreemptionNotice(
             strategy.cluster_resolver,
             key=f"tf_hetbatch/preemption/{self.directory}/{self._fits}")
-        self._notice.start()
+        # Keras calls `on_train_end` only when `fit` returns: a `fit` that raised leaves the
+        # notice started, so the handler asks whether that `fit` is still on the stack.
+        self._notice.start(alive=_running(_fit_code(self.model)))
         if self._pending_request:
             self._pending_request = False
             self._notice.request()
@@ -477,3 +481,30 @@ def _agreement(strategy):
         return int(rows[:, 0].max()), log
 
     return agree
+
+
+def _fit_code(model):
+    """The code object of `model.fit` (under its decorators), if a call of it is on this
+    thread's stack now (the callback runs inside it); else None."""
+    code = getattr(inspect.unwrap(getattr(type(model), "fit", None) or (lambda: None)),
+                   "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    return None if frame is None else code
+
+
+def _running(code):
+    """A test of a signal handler's frame: whether a call of `code` is on the stack (None:
+    nothing to test)."""
+    if code is None:
+        return None
+
+    def alive(frame) -> bool:
+        while frame is not None:
+            if frame.f_code is code:
+                return True
+            frame = frame.f_back
+        return False
+    return alive
+
