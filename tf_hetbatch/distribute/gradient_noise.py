@@ -17,15 +17,15 @@ each averaged point still lies on the line in expectation, also across a change 
 the line is fitted to the averaged points when read (`GradientNoise.from_points`); at a fixed
 split that is the average of the steps' fits. The averages' start at 0 cancels in the ratios.
 
-Each replica computes its point before the all-reduce (from its share b_k / B: its mean
-gradient is its weighted one divided by it, the weight of a loss averaged over samples,
-`weighting`; a loss with another denominator, a mask or sample weights, is measured per sample
-all the same) and adds it as a [K, 4] float32 table, zero except its row, to the step's
-all-reduce, as the timing table (`timing`) travels. After it, the first replica of each process
-adds the global point (the summed gradients' squared norm) and moves the averages in its copy of
-one ON_READ float64 variable: the same on every worker. Python reads that copy between steps:
-no collective. A step's cost: one op per gradient tensor per replica, once more for the global
-gradient, and some 20 small ops.
+Each replica adds the squared norm of its weighted gradient and its samples b_k as a [K, 2]
+float32 table, zero except its row, to the step's all-reduce, as the timing table (`timing`)
+travels. After it, the first replica of each process makes the points (a replica's mean
+gradient is its weighted one divided by its share b_k / B, the weight of a loss averaged over
+samples, `weighting`; a loss with another denominator, a mask or sample weights, is measured per
+sample all the same), the global one from the summed gradients, and moves the averages in its
+copy of one ON_READ float64 variable: the same on every worker. Python reads that copy between
+steps: no collective. A step's cost: one op per gradient tensor per replica, once more for the
+global gradient, and some 25 small ops per process.
 
 Off unless `measure_gradient_noise` was called: a step traced without it has none of this.
 """
@@ -56,19 +56,14 @@ class NoiseAccumulators:
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
                 name="hetbatch_gradient_noise")
 
-    def row(self, grads, samples, total) -> tf.Tensor:
-        """Replica context: this replica's [K, 4] float32 table (zero except its row): its
-        point (the squared norm of its mean gradient, 1 / its samples, each times 1 if it has
-        samples, and that 1) and its samples, of the step's `total`. (The step's samples, not
-        a micro-batch's: the gradients are the sum of its micro-batches'.)"""
-        samples = tf.cast(samples, tf.float32)
-        share = tf.math.divide_no_nan(samples, tf.cast(total, tf.float32))
-        has = share > 0
-        norm = _squared_norm(grads) / tf.square(tf.where(has, share, 1.0))
-        point = tf.stack([norm, 1.0 / tf.maximum(samples, 1.0), 1.0]) * tf.cast(has, tf.float32)
+    def row(self, grads, samples) -> tf.Tensor:
+        """Replica context: this replica's [K, 2] float32 table (zero except its row): the
+        squared norm of its weighted gradient and its samples (the step's, not a
+        micro-batch's: the gradients are the sum of its micro-batches'). Its point is made
+        from the summed table (`record`): the work per replica is one op per gradient."""
         replica = tf.distribute.get_replica_context().replica_id_in_sync_group
         slot = tf.one_hot(replica, self._num_replicas, dtype=tf.float32)
-        return slot[:, None] * tf.concat([point, [samples]], 0)[None, :]
+        return slot[:, None] * tf.stack([_squared_norm(grads), tf.cast(samples, tf.float32)])
 
     def record(self, summed_rows, summed_grads, applied=None):
         """Replica context: moves the averages by the step's points, the replicas' from the
@@ -80,10 +75,16 @@ class NoiseAccumulators:
         if replica is not None and replica != self._first_local:
             return None
         rows = tf.cast(summed_rows, tf.float64)
-        total = tf.cast(tf.maximum(tf.reduce_sum(summed_rows[:, 3]), 1.0), tf.float64)
+        squared, samples = rows[:, 0], rows[:, 1]
+        total = tf.maximum(tf.reduce_sum(samples), 1.0)
+        has = samples > 0
+        safe = tf.where(has, samples, 1.0)
+        present = tf.cast(has, tf.float64)
+        # A replica's mean gradient is its weighted one divided by its share b_k / B.
+        points = tf.stack([squared * tf.square(total / safe) * present, present / safe,
+                           present, tf.ones_like(present)], 1)
         step_global = tf.stack([tf.cast(_squared_norm(summed_grads), tf.float64),
                                 1.0 / total, 1.0, 1.0])
-        points = tf.concat([rows[:, :3], tf.ones_like(rows[:, :1])], 1)
         points = tf.concat([points, step_global[None, :]], 0)
         beta = tf.constant([self.smoothing] * 3 + [1.0], tf.float64)
         gain = tf.constant([1.0 - self.smoothing] * 3 + [1.0], tf.float64)

@@ -85,8 +85,7 @@ class StepRunner:
                 has_sample_weight=has_sample_weight(data_here),
                 start_time=start_time, samples=samples,
                 timing=strategy._timing if timed else None,
-                noise=strategy._noise if distributed and samples is not None and
-                total_samples is not None else None,
+                noise=strategy._noise if distributed and samples is not None else None,
                 carry_logs=carry_logs, optimizers_reached=bool(optimizers),
                 sync_batch_norm=sync_batch_norm,
                 failure_flags=None if plan is None else strategy._micro_batches.flags_of_step(

@@ -70,7 +70,7 @@ def _apply_replica_gradients(step, optimizer, original_apply, grads, trainable_v
         grads = _timed_gradients(step, grads)  # the replica's own work ends here
         step.timed = True
     if step.noise is not None and not step.noise_measured:
-        step.noise_row = step.noise.row(grads, step.samples, step.total_samples)
+        step.noise_row = step.noise.row(grads, step.samples)
         step.noise_measured = True
     if step.carry_logs and step.held is None:
         step.held = (grads, lambda summed: _apply_summed(
