@@ -2,8 +2,8 @@
 
 A bound is an int for every replica or one int per replica, each >= 0; `max_sizes` may be
 None (no cap: the global batch), and so may each of its entries (no cap for that replica, as a
-micro-batch limit of None means no bound). A maximum of 0 keeps a replica out of the split (it gets
-empty batches, which the strategies run; the replica's `min_sizes` must then be 0 too).
+micro-batch limit of None means no bound). A maximum of 0 keeps a replica out of the split (it
+gets empty batches, which the strategies run; the replica's `min_sizes` must then be 0 too).
 The checks run in stages: each bound alone and the two together when a controller or
 `DynamicBatching` is constructed (`check_bound`, `check_bounds_order`), then against the
 number of replicas and the global batch once they are known (`resolve_bounds`). Every error
