@@ -60,11 +60,11 @@ class ReplicaCost(keras.layers.Layer):
         return x + 0.0 * token
 
 
-def cost_model(costs=COSTS, seed=1):
+def cost_model(costs=COSTS, seed=1, unit=SECONDS_PER_SAMPLE):
     keras.utils.set_random_seed(seed)
     model = keras.Sequential([
         keras.Input((8,)),
-        ReplicaCost(costs),
+        ReplicaCost(costs, unit),
         keras.layers.Dense(16, activation="tanh"),
         keras.layers.Dense(1),
     ])

@@ -1,7 +1,8 @@
 """What a run does not use costs its steps nothing: without micro-batch limits a step touches
 none of their state (the limits, the out-of-memory update gate and failure flags) and has no
-micro-batch loop; without `measure_gradient_noise` none of the noise scale's. Checked in the traced step of Keras's own `train_step` on 2 logical CPUs at
-an uneven split; the same step with limits set shows what the check looks for."""
+micro-batch loop; without `measure_gradient_noise` none of the noise scale's. Checked in the
+traced step of Keras's own `train_step` on 2 logical CPUs at an uneven split; the same step
+with limits set (the noise measured) shows what the check looks for."""
 
 import keras
 import numpy as np
