@@ -227,7 +227,8 @@ class HeteroMixin(micro_batches.LimitsMixin):
                 "must be in [0, 1). Fix: pass e.g. smoothing=0.95 (about the last 20 steps).")
         if self._noise is None:
             self._noise = gradient_noise.NoiseAccumulators(self, float(smoothing))
-        self._noise.smoothing = float(smoothing)
+        else:
+            self._noise.smoothing = float(smoothing)
 
     @property
     def gradient_noise_scale(self) -> Optional[GradientNoise]:

@@ -486,8 +486,10 @@ def _agreement(strategy):
 def _fit_code(model):
     """The code object of `model.fit` (under its decorators), if a call of it is on this
     thread's stack now (the callback runs inside it); else None."""
-    code = getattr(inspect.unwrap(getattr(type(model), "fit", None) or (lambda: None)),
-                   "__code__", None)
+    fit = getattr(type(model), "fit", None)
+    if fit is None:
+        return None
+    code = inspect.unwrap(fit).__code__
     frame = sys._getframe(1)
     while frame is not None and frame.f_code is not code:
         frame = frame.f_back

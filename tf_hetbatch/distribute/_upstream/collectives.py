@@ -71,12 +71,19 @@ def wrap_gradient_all_reduce(optimizer):
         return
 
     def all_reduce_sum_gradients(grads_and_vars):
-        if getattr(target, "_tf_hetbatch_reduced", 0):
+        if already_reduced(target):
             return list(grads_and_vars)
         return original(grads_and_vars)
     target._all_reduce_sum_gradients = all_reduce_sum_gradients
     target._tf_hetbatch_reduce_wrapped = True
     target._tf_hetbatch_reduced = 0
+
+
+def already_reduced(optimizer) -> bool:
+    """Whether `optimizer` (or its inner optimizer) is applying gradients that are already
+    summed across replicas (inside `gradients_already_reduced`)."""
+    return bool(getattr(getattr(optimizer, "inner_optimizer", optimizer),
+                        "_tf_hetbatch_reduced", 0))
 
 
 @contextlib.contextmanager

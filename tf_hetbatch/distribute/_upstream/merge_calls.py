@@ -29,6 +29,8 @@ import threading
 
 import tensorflow as tf
 
+from tf_hetbatch.distribute._upstream import collectives
+
 _without = threading.local()
 
 
@@ -43,8 +45,7 @@ def adapt_accumulating_optimizer(optimizer) -> None:
     original = target.apply
 
     def apply(grads, trainable_variables=None):
-        # `collectives.gradients_already_reduced` counts on this same object.
-        if not getattr(target, "_tf_hetbatch_reduced", 0):
+        if not collectives.already_reduced(target):
             return original(grads, trainable_variables)
         with _without_merge_calls(tf.distribute.get_strategy().extended):
             return original(grads, trainable_variables)
