@@ -50,10 +50,10 @@ def make_model():
 
 strategy = hb.HeteroMirroredStrategy(["/cpu:0", "/cpu:1"])
 strategy.set_batch_sizes([7, 25])
-strategy.measure_gradient_noise()  # smoothing=0.95: about the last 20 steps
+strategy.measure_gradient_noise(smoothing=0.99)  # about the last 100 steps
 with strategy.scope():
     model = make_model()
-history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0,
+history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
                     callbacks=[hb.DynamicBatching(initial=[7, 25])])
 
 """
@@ -65,6 +65,9 @@ steps, on any worker: every worker holds the same values. With `DynamicBatching`
 epoch's logs carry `gradient_noise_scale` (so `History` does), and each window and the
 TensorBoard board ("tf_hetbatch cluster") the scale and the statistical efficiency of B.
 
+A single step's |G|^2 estimate can be negative, and so can a short average of them: `scale` is
+then inf (noise dominates whatever B), which is why this guide averages over about 100 steps.
+
 `efficiency(B)` is B_noise / (B_noise + B): the share of its ideal progress a sample keeps at
 batch B (1 for a batch far below B_noise). `efficiency(B, base_batch=B0)` compares two
 batches, as Pollux does: (B_noise + B0) / (B_noise + B).
@@ -72,7 +75,7 @@ batches, as Pollux does: (B_noise + B0) / (B_noise + B).
 noise = strategy.gradient_noise_scale
 print(f"B_noise {noise.scale:.0f} samples over {noise.steps} steps "
       f"(|G|^2 {noise.gradient_sq:.3g}, tr(S) {noise.trace:.3g})")
-print("per epoch:", [round(v) for v in history.history["gradient_noise_scale"]])
+print("per epoch:", [f"{v:.0f}" for v in history.history["gradient_noise_scale"]])
 for batch in (GLOBAL_BATCH, 4 * GLOBAL_BATCH, 16 * GLOBAL_BATCH):
     print(f"  efficiency at B = {batch:4d}: {noise.efficiency(batch):.2f}")
 assert noise.steps == 2 * len(x) // GLOBAL_BATCH and noise.scale > 0
