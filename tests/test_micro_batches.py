@@ -631,8 +631,8 @@ def test_two_workers_stop_together_when_one_sample_does_not_fit(tmp_path):
 
 # --------------------------------------------------------------------- the up-front probe ----
 def test_the_probe_bounds_a_step_by_the_memory_it_may_use():
-    # Real peaks of TensorFlow's CPU allocator (one device probed at a time, in a process of
-    # its own: this one uses the system allocator, which keeps no statistics). They grow with
+    # Real peaks of TensorFlow's CPU allocator (one device probed at a time, in processes of
+    # their own: this one uses the system allocator, which keeps no statistics). They grow with
     # the batch; a budget of the line's value at 64 samples gives a bound near 64 on both
     # devices, a step at that bound fits the budget and one at twice it does not, and a model
     # with 4x the activations per sample fits far fewer samples in room for 512 of the small
@@ -643,26 +643,37 @@ def test_the_probe_bounds_a_step_by_the_memory_it_may_use():
     import sys
 
     script = os.path.join(os.path.dirname(__file__), "workers", "memory_probe_run.py")
-    run = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = json.loads(run.stdout.split("PROBES ", 1)[1])
-    first = found["first"]
+
+    def probe(*requests):
+        run = subprocess.run([sys.executable, script, json.dumps(requests)],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(run.stdout.split("PROBES ", 1)[1])
+
+    (first,), = probe({"filters": 16, "devices": ["/cpu:0"]})
     assert first["peak_bytes"][1] > first["peak_bytes"][0] > 0 and first["bound"] is None
     # After the warm-up step the line's fixed part still counts the model: its weights, their
     # gradients and Adam's two slots are all live when the update runs, whatever the batch
     # (measured ~8x the trainable bytes; ~3x where the model's own memory was left out). No
     # all-reduce headroom on CPUs.
     (small, large), (size_s, size_l) = first["peak_bytes"], first["sizes"]
-    fixed = small - (large - small) / (size_l - size_s) * size_s
-    assert fixed > 4 * first["trainable_bytes"] > 0, first
+    slope = (large - small) / (size_l - size_s)
+    assert small - slope * size_s > 4 * first["trainable_bytes"] > 0, first
     assert first["headroom_bytes"] == 0 and first["memory_source"] == "unknown"
-    assert found["at_64"][0]["memory_source"] == "memory_bytes"
-    bounds = [p["bound"] for p in found["at_64"]]
-    assert all(32 < b < 128 for b in bounds), found["at_64"]  # between the probed sizes
-    budget = found["at_64"][0]["memory_bytes"]
-    at_bound, at_twice = found["check"]["peak_bytes"]  # steps at the bound and twice it
-    assert at_bound <= 1.15 * budget < 1.15 * at_twice, (budget, found["check"])
-    assert 1 <= found["large"]["bound"] < 256, found["large"]
+    budget = int(small + (64 - size_s) * slope)
+    at_64, big = probe({"filters": 16, "devices": ["/cpu:0", "/cpu:1"], "memory_bytes": budget},
+                       # room for about 512 samples of the small model
+                       {"filters": 64, "devices": ["/cpu:0"],
+                        "memory_bytes": int(small + (512 - size_s) * slope)})
+    assert at_64[0]["memory_source"] == "memory_bytes"
+    bounds = [p["bound"] for p in at_64]
+    assert all(32 < b < 128 for b in bounds), at_64  # between the probed sizes
+    assert 1 <= big[0]["bound"] < 256, big
+    # What steps at the bound found for /cpu:0, and at twice it, really peak at.
+    bound = at_64[0]["bound"]
+    (check,), = probe({"filters": 16, "devices": ["/cpu:0"], "sizes": [bound, 2 * bound]})
+    at_bound, at_twice = check["peak_bytes"]
+    assert at_bound <= 1.15 * budget < 1.15 * at_twice, (budget, check)
 
 
 @pytest.mark.parametrize("kwargs, match", [

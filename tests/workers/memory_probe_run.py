@@ -1,7 +1,12 @@
 """Runs `probe_micro_batch_limits` on logical CPUs with TensorFlow's own CPU allocator (whose
 statistics the probe reads; the test process uses the system allocator, which keeps none) and
-prints what it found as JSON: {"first": probe, "at_64": [probes], "check": probe at the
-bound and twice it, "large": probe}."""
+prints what it found as JSON: "PROBES [probe, ...]", one list per request.
+
+Argument: a JSON list of requests, run in order in this process, each
+{"filters": 16 | 64, "devices": [...], "memory_bytes": int or None, "sizes": [a, b] or None}.
+A probe's peaks depend on what the allocator held before it (a chunk it reuses unsplit counts
+whole), so the test starts a process for each probe whose peaks it compares with a budget, as a
+run calls the probe once, before training."""
 
 import dataclasses
 import json
@@ -35,20 +40,15 @@ def main():
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     rng = np.random.default_rng(0)
     data = (rng.random((128, 48, 48, 3), dtype=np.float32), rng.integers(0, 4, 128))
-    small, large = conv_model(16), conv_model(64)
-    (first,) = hb.probe_micro_batch_limits(small, data, ["/cpu:0"])
-    slope = (first.peak_bytes[1] - first.peak_bytes[0]) / (first.sizes[1] - first.sizes[0])
-    at_64 = hb.probe_micro_batch_limits(small, data, ["/cpu:0", "/cpu:1"],
-                                        memory_bytes=int(first.peak_bytes[0] + 32 * slope))
-    # What steps at the bound found for /cpu:0, and at twice it, really peak at.
-    bound = at_64[0].bound
-    (check,) = hb.probe_micro_batch_limits(small, data, ["/cpu:0"], sizes=(bound, 2 * bound))
-    # Room for about 512 samples of the small model.
-    (big,) = hb.probe_micro_batch_limits(large, data, ["/cpu:0"],
-                                         memory_bytes=int(first.peak_bytes[0] + 480 * slope))
-    out = {"first": dataclasses.asdict(first), "at_64": [dataclasses.asdict(p) for p in at_64],
-           "large": dataclasses.asdict(big), "check": dataclasses.asdict(check)}
-    sys.stdout.write("PROBES " + json.dumps(out) + "\n")
+    found = []
+    for request in json.loads(sys.argv[1]):
+        kwargs = {"memory_bytes": request.get("memory_bytes")}
+        if request.get("sizes"):
+            kwargs["sizes"] = tuple(request["sizes"])
+        probes = hb.probe_micro_batch_limits(conv_model(request["filters"]), data,
+                                             request["devices"], **kwargs)
+        found.append([dataclasses.asdict(p) for p in probes])
+    sys.stdout.write("PROBES " + json.dumps(found) + "\n")
 
 
 if __name__ == "__main__":
