@@ -211,6 +211,89 @@ def test_an_added_mean_loss_with_an_empty_replica_in_the_last_batch(cpus, split)
     _assert_as_one_device(diff, histories, evaluations)
 
 
+# ---- a count the loss's own code computes: warned once, with the fix ------------------------
+OWN_COUNT = "a scalar computed from its replica's own batch"
+
+
+def _by_hand(y_true, y_pred):  # the exactness guide's: ignores label 0 by hand
+    m = tf.cast(y_true > 0, "float32")
+    losses = keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+    return tf.reduce_sum(losses * m) / tf.reduce_sum(m)
+
+
+def _by_masked_size(y_true, y_pred):
+    losses = keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+    kept = tf.boolean_mask(losses, y_true > 0)
+    return tf.reduce_sum(kept) / tf.cast(tf.size(kept), "float32")
+
+
+def _per_sequence_mean(y_true, y_pred):  # a mean per sample: the strategy's denominator
+    m = tf.cast(y_true > 0, "float32")
+    losses = keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+    return tf.reduce_sum(losses * m, axis=1) / (tf.reduce_sum(m, axis=1) + 1.0)
+
+
+def _by_element_count(y_true, y_pred):
+    losses = keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+    return tf.reduce_sum(losses) / tf.cast(tf.shape(losses)[0] * tf.shape(losses)[1], "float32")
+
+
+def _relative_error(y_true, y_pred):  # an elementwise division by data
+    y_true = tf.one_hot(tf.cast(y_true, "int32"), CLASSES)
+    return tf.reduce_mean(tf.abs(y_true - y_pred) / (tf.abs(y_pred) + 1.0))
+
+
+class OwnCountStep(keras.Model):
+    """A `compute_loss` of raw ops, dividing by its replica's valid labels."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return _by_hand(y, y_pred)
+
+
+def _tagger(cls=keras.Model, mask_zero=False):
+    inputs = keras.Input((T,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, 8, mask_zero=mask_zero)(inputs)
+    return cls(inputs, keras.layers.Dense(CLASSES)(h))
+
+
+def _own_count_warnings(cpus, caplog, model_fn, loss, split=(7, 25)):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="tf_hetbatch")
+    x, y = _padded_sequences()
+    strategy = hb.HeteroMirroredStrategy(cpus[:2])
+    strategy.set_batch_sizes(list(split))
+    with strategy.scope():
+        model = model_fn()
+        model.compile(optimizer="adam", loss=loss)
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    return [r.getMessage() for r in caplog.records if OWN_COUNT in r.getMessage()]
+
+
+@pytest.mark.parametrize("model_fn, loss, name", [
+    (_tagger, _by_hand, "'_by_hand'"),
+    (_tagger, _by_masked_size, "'_by_masked_size'"),
+    (lambda: _tagger(OwnCountStep), None, ".compute_loss"),
+], ids=["sum-over-own-count", "boolean-mask-size", "compute-loss-override"])
+def test_a_loss_normalised_by_its_replicas_own_count_is_warned_once_with_the_fix(
+        cpus, caplog, model_fn, loss, name):
+    # Weighted by samples, such a loss trains as the mean of the replicas' normalised losses
+    # (the exactness guide measures the drift): said once per loss, naming it and the fix.
+    [message] = _own_count_warnings(cpus, caplog, model_fn, loss)
+    assert name in message and "mean_with_sample_weight" in message and "all_reduce" in message
+
+
+@pytest.mark.parametrize("model_fn, loss", [
+    (lambda: _tagger(mask_zero=True), _scce),
+    (_tagger, _per_sequence_mean),
+    (_tagger, _by_element_count),
+    (_tagger, _relative_error),
+], ids=["keras-mask", "per-sample-mean", "element-count", "elementwise-division"])
+def test_losses_whose_denominator_the_strategy_sees_are_not_warned(cpus, caplog, model_fn, loss):
+    loss = loss() if loss is _scce else loss
+    assert _own_count_warnings(cpus, caplog, model_fn, loss) == []
+
+
 class OverrideAddsATerm(keras.Model):
     """A `compute_loss` override: Keras's losses plus a per-sample mean of its own, divided by
     the replica count as under any `tf.distribute` strategy (its gradients are summed)."""

@@ -40,6 +40,7 @@ devices instead, e.g. `hb.HeteroMirroredStrategy(["/gpu:0", "/cpu:0"])`.
 
 """
 import contextlib
+import logging
 import subprocess
 import sys
 
@@ -157,7 +158,7 @@ not a mean of the replicas' values. `same_logs` checks all three.
 | the model's regularizers, `add_loss` terms | nothing (Keras divides them by the replica count) | its share of the samples (a replica with no samples in a step adds nothing) |
 | several outputs, with `loss_weights` | each output's term by its own denominator | each term by its own form, as above; `loss_weights` multiply as on one device |
 | a `compute_loss` override: the terms it adds itself | what your code divides by | its share of the samples: write a mean divided by `num_replicas_in_sync`, as under any strategy |
-| your own code normalising by a count it computes from its replica's data, e.g. `tf.reduce_sum(l * m) / tf.reduce_sum(m)` | that count: not seen | not exact: divide by the global count instead (below) |
+| your own code normalising by a count it computes from its replica's data, e.g. `tf.reduce_sum(l * m) / tf.reduce_sum(m)` | that count: not seen | not exact: warned once when traced; divide by the global count instead (below) |
 
 A term's weight follows its own form: outputs with different reductions in one model are
 each weighted by their own. Gradients and logs follow from the weighted terms.
@@ -221,7 +222,9 @@ Keras and tf_hetbatch see only a number. Below, a loss function ignores padded t
 (label 0) by hand, `tf.reduce_sum(l * m) / tf.reduce_sum(m)`. tf_hetbatch weights it as a
 mean over samples (b_k / B), but each replica divided by its own count of valid entries,
 and those counts are not in proportion to the samples: the result is a mean of the
-replicas' means, and the weights drift from one device's.
+replicas' means, and the weights drift from one device's. It cannot weight what it cannot
+see, but it finds the division in the traced step (a scalar computed from the replica's
+own batch) and says so once, naming the loss and the fix, in the `tf_hetbatch` logger.
 
 The fix: let Keras see the denominator. Pass the mask as a per-timestep `sample_weight` and
 use `reduction="mean_with_sample_weight"`: Keras divides by the sum of the weights (the
@@ -263,8 +266,15 @@ One device with the hand-written loss is the reference. Ours with the same loss 
 strategy = hb.HeteroMirroredStrategy(["/cpu:0", "/cpu:1"])
 strategy.set_batch_sizes([7, 25])
 one_device = train(by_hand)
+said = []
+heard = logging.Handler()
+heard.emit = lambda record: said.append(record.getMessage())
+logging.getLogger("tf_hetbatch").addHandler(heard)
 wrong = max_diff(one_device, train(by_hand, strategy))
+logging.getLogger("tf_hetbatch").removeHandler(heard)
 print(f"count by hand at [7, 25]: max weight difference {wrong:.1e} (not exact)")
+print("tf_hetbatch said:", *[m[:100] + "..." for m in said if "by_hand" in m])
+assert any("by_hand" in m and "own batch" in m for m in said)
 keras_sees_it = keras.losses.SparseCategoricalCrossentropy(
     from_logits=True, reduction="mean_with_sample_weight")
 right = max_diff(one_device, train(keras_sees_it, strategy, sample_weight=valid))

@@ -56,6 +56,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import keras
 import tensorflow as tf
+from tf_hetbatch.distribute import own_counts
 from tf_hetbatch.distribute._upstream import keras_callers, keras_losses
 
 
@@ -307,6 +308,9 @@ def adapt_compute_loss(model) -> None:
             return loss
         if not recorded and step.unrecorded_terms == terms:  # raw ops: the whole loss
             mode = weighting_mode(model)
+            if mode in _SCALED_BY_KERAS and step.num_replicas > 1:
+                own_counts.warn_if_normalised_by_own_data(
+                    loss, (args, kwargs), model, f"of {model.name}.compute_loss")
             step.seams_weighted += 1
             return _weighted(loss, term_weight(step, mode), _to_mean_form(step),
                              step.num_replicas)
@@ -403,6 +407,9 @@ def adapt_loss(loss_object) -> None:
             if mask is not None:
                 denominator = keras_losses.loss_denominator(
                     tf.nest.flatten(values)[0], sample_weight, mask, reduction)
+            elif step.num_replicas > 1:
+                own_counts.warn_if_normalised_by_own_data(
+                    values, (args, kwargs), loss_object, repr(loss_object.name))
         weight = term_weight(step, mode, denominator)
         outermost = step.seam_depth == 0
         if not outermost and step.container_depth == 0:
