@@ -134,7 +134,7 @@ def detect(value, low, high, sd, q, held_sign):
     `(z, outlier, change)`.
     """
     value = np.asarray(value, np.float64)
-    dev = value - np.clip(value, low, high)
+    dev = value - np.minimum(np.maximum(value, low), high)
     z = dev / np.maximum(sd, ROUNDING * np.abs(value))
     flag = np.abs(z) > q
     change = flag & (np.sign(z) == held_sign) & (np.asarray(held_sign) != 0)

@@ -190,7 +190,7 @@ class _Controller:
             raise ValueError(f"`sizes` must sum to a global batch >= 1. Received: "
                              f"sizes={sizes.tolist()}")
         lo, hi = resolve_bounds(total, num, self.config.min_sizes, self.config.max_sizes)
-        if np.any(sizes < lo) or np.any(sizes > hi):
+        if (sizes < lo).any() or (sizes > hi).any():
             fixed = _split.split_proportionally(total, np.maximum(sizes, 1), lo, hi)
             logger.info("Initial sizes %s violate the bounds; using %s.", sizes.tolist(), fixed)
             sizes = np.array(fixed, np.int64)
@@ -318,13 +318,13 @@ class _Controller:
 
     # ----- the guards -------------------------------------------------------------------
     def _no_measurement_yet(self, w: _Window) -> Optional[Decision]:
-        if not np.any(w.learned.stats.sums.weight > 0):
+        if not (w.learned.stats.sums.weight > 0).any():
             return Decision(w.state.sizes, "kept: no valid measurement yet", Guard.NO_MEASUREMENT)
         return None
 
     def _out_of_bounds(self, w: _Window) -> Optional[Decision]:
         current = w.state.sizes
-        if np.any(current > w.state.max_sizes) or np.any(current < w.state.min_sizes):
+        if (current > w.state.max_sizes).any() or (current < w.state.min_sizes).any():
             return self._rule_move(w, Guard.OUT_OF_BOUNDS, forced=True).decision
         return None
 
@@ -342,7 +342,7 @@ class _Controller:
                               f"surely slower ({w.race.held_ms()})", Guard.STEP_TIME_GOES_BACK)
 
     def _outlier_held(self, w: _Window) -> Optional[Decision]:
-        if np.any(w.learned.stats.held_sign != 0):
+        if (w.learned.stats.held_sign != 0).any():
             return Decision(w.state.sizes, "kept: a window held back is checked at the same "
                                            "split", Guard.OUTLIER_HELD)
         return None

@@ -47,7 +47,8 @@ def rounded_equal_finish(x, total: int, alpha, beta, lo, hi) -> np.ndarray:
     # finishing): the slowest finish drops each time, so this ends (within K rounds).
     for _ in range(sizes.size):
         worst = float(np.max(alpha + beta * sizes))
-        below = np.clip(np.ceil((worst - alpha) / beta) - 1.0, lo, hi).astype(np.int64)
+        below = np.minimum(np.maximum(np.ceil((worst - alpha) / beta) - 1.0, lo), hi).astype(
+            np.int64)
         excess = int(below.sum()) - total
         if excess < 0:
             break

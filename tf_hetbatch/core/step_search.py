@@ -140,7 +140,7 @@ class Search:
         return self.race.splits[:, self.race.arms.index(self.race.incumbent)]
 
     def _in_bounds(self, split) -> bool:
-        return bool(np.all(split >= self.lo) and np.all(split <= self.hi))
+        return bool((split >= self.lo).all() and (split <= self.hi).all())
 
     def _worth(self, split, fastest: float) -> bool:
         """A new arm is worth a visit if it is a new split within the bounds whose compute
@@ -151,7 +151,7 @@ class Search:
         return float(np.max(self.race.alpha + self.race.beta * split)) < fastest
 
     def _known(self, split) -> bool:
-        return bool(np.any(np.all(self.race.splits == split[:, None], axis=0)))
+        return bool((self.race.splits == split[:, None]).all(axis=0).any())
 
     # ----- measurements -----------------------------------------------------------------
     def current_arm_levels(self) -> Optional[WindowSums]:

@@ -264,7 +264,7 @@ def learn(stats: ReplicaStats, sizes: np.ndarray, times: np.ndarray, affine: boo
     point = TimeSums(np.ones_like(t), sizes, sizes * sizes, t, sizes * t, t * t)
     sums = TimeSums(*(np.where(accept, lam * old + new, np.where(change, new, old))
                       for old, new in zip(stats.sums, point)))
-    held_sign = np.where(outlier, np.sign(t - np.clip(t, level, level)),
+    held_sign = np.where(outlier, np.sign(t - level),
                          np.where(valid, 0.0, stats.held_sign))
     new = ReplicaStats(sums, _next_levels(lv, sizes, t, lam, same, accept, change), held_sign,
                        stats.shape, stats.shape_known)
