@@ -15,8 +15,12 @@ value on every worker) and keeps the winner:
   incumbent, d + 1, the direction unseen costs of slow replicas call for, and the tilt the
   held split's step time implies if further (the most unseen work the step leaves room for:
   a throttled worker's fixed cost can be many steps); d - 1 if no arm is worth a visit that
-  way. The rule still judges during a race, from the incumbent, and ends it when its own
-  split is surely faster.
+  way. An arm is raced only if the gain its own hypothesis predicts over the incumbent (the
+  models at each size plus d * theta) is one a race of the whole horizon could confirm on
+  the step time's noise so far (the earlier races' windows and the held split's; unknown
+  noise decides nothing): replicas within noise of each other predict gains no race could
+  tell from noise, so they are not raced and make no moves. The rule still judges during a
+  race, from the incumbent, and ends it when its own split is surely faster.
 - Visits go round robin in the order of d, so a drifting machine hits every arm alike. Each
   visit costs two windows: the one straddling the switch and the one measured.
 - After each window, arm j leaves the race unless what it might still save over the rest of
@@ -24,7 +28,8 @@ value on every worker) and keeps the winner:
   d_j how much slower it is than the best arm b (difference of mean log step times), r_jb
   the confidence bound of that difference (pooled Student-t noise, Bonferroni over the arms)
   and c what a switch costs (`dead_band`). Clearly slower arms go at once; as the horizon is
-  spent, so does any doubt.
+  spent, so does any doubt. An arm no faster than the incumbent so far, whose hypothesis
+  predicts a gain the rest of the race could not confirm, has nothing left to find: it goes.
 - A best arm at the edge whose inner neighbour is out gets the next arm beyond it (so an
   incumbent that beat d + 1 is tried against d - 1).
 - An arm is not visited at all when its compute alone, as the time models predict it (a
@@ -59,8 +64,8 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from tf_hetbatch.core import split as _split
-from tf_hetbatch.core._stats import WindowSums, alarm_quantile, detect, t_quantile
-from tf_hetbatch.core.move import SWITCH_WINDOWS, rounded_equal_finish
+from tf_hetbatch.core._stats import ROUNDING, WindowSums, alarm_quantile, detect, t_quantile
+from tf_hetbatch.core.move import SWITCH_WINDOWS, predicted_gain, rounded_equal_finish
 from tf_hetbatch.core.search_state import Held, MeasuredSplit, Phase, Race, SearchState
 
 __all__ = ["Search"]
@@ -149,6 +154,22 @@ class Search:
         if self._known(split) or not self._in_bounds(split):
             return False
         return float(np.max(self.race.alpha + self.race.beta * split)) < fastest
+
+    def _resolvable(self, models, d: int, current, split, base: WindowSums) -> bool:
+        """At a race's start: whether arm d could be confirmed faster than `current` if its
+        own hypothesis holds (`_confirmable`), on the step time's noise so far (the earlier
+        races' and the windows at `current`, `base`; unknown noise decides nothing)."""
+        ss = self.noise_ss + (base.squared_deviations if base.count > 1 else 0.0)
+        dof = self.noise_dof + max(base.count - 1, 0)
+        if dof <= 0 or base.count < 1:
+            return True
+        shift = d * self._theta(current.size)
+        gain = predicted_gain(models, current + shift, split + shift, self.cfg.false_move_rate)
+        visits = max(self.cfg.horizon // (2 * VISIT_WINDOWS), 1)  # two arms share the horizon
+        # The bound the race's windows would give at its end (their degrees of freedom too).
+        q = t_quantile(1.0 - self.cfg.false_move_rate, dof + 2 * (visits - 1))
+        return _confirmable(gain.predicted, math.exp(base.mean), max(ss, 0.0) / dof, q,
+                            visits, visits + base.count)
 
     def _known(self, split) -> bool:
         return bool((self.race.splits == split[:, None]).all(axis=0).any())
@@ -290,14 +311,15 @@ class Search:
             race.spent += SWITCH_WINDOWS
         self.base = None
 
-    def start(self, current, alpha, beta, fill, level: Optional[WindowSums] = None):
-        """The rule holds `current` on its models `alpha`, `beta` (`fill`: their unrounded
-        split at the kept tilt, from `tilted`): starts a race around it if there is one to
-        run (`level`: each replica's windows at `current`, the incumbent's levels). Returns
+    def start(self, current, models, fill, level: Optional[WindowSums] = None):
+        """The rule holds `current` on its time `models` (`fill`: their unrounded split at
+        the kept tilt, from `tilted`): starts a race around it if there is one to run
+        (`level`: each replica's windows at `current`, the incumbent's levels). Returns
         (split, reason)."""
         if self.phase is not Phase.IDLE:
             return current, ""
         current = np.asarray(current, np.int64)
+        alpha, beta = models.alpha, models.beta
         base = _NONE if self.base is None else self.base
         race = self.race = Race(self.tilt, [self.tilt], [], [], 0, 0, 0,
                                 np.asarray(alpha, np.float64).copy(),
@@ -310,7 +332,8 @@ class Search:
             if d is None or (d < self.tilt and len(race.arms) > 1):
                 continue
             split = self._arm_split(d)
-            if self._worth(split, fastest):
+            if self._worth(split, fastest) and self._resolvable(models, d, current, split,
+                                                                base):
                 race.splits = np.concatenate([race.splits, split[:, None]], axis=1)
                 race.arms.append(d)
         if len(race.arms) == 1:
@@ -424,6 +447,30 @@ class Search:
                 worth = (bound - slower - switch_cost) * rest
                 if math.isfinite(bound) and worth <= slower * VISIT_WINDOWS:
                     race.alive[j] = False
+        # An arm no faster than the incumbent so far, whose own hypothesis predicts a gain
+        # the rest of the race could not confirm, has nothing left to find.
+        inc = race.arms.index(race.incumbent)
+        alive = sum(race.alive)
+        for j, alive_j in enumerate(race.alive):
+            windows, mine = race.windows[j], race.windows[inc]
+            if not alive_j or j == inc or windows.count == 0 or mine.count == 0 or \
+                    windows.mean < mine.mean:
+                continue
+            visits = rest // (VISIT_WINDOWS * alive)
+            q_end = t_quantile(1.0 - self.cfg.false_move_rate / max(alive - 1, 1),
+                               dof + alive * visits)
+            if not _confirmable(self._hypothesis_gain(j), math.exp(mine.mean), noise, q_end,
+                                windows.count + visits, mine.count + visits):
+                race.alive[j] = False
+
+    def _hypothesis_gain(self, j: int) -> float:
+        """Seconds per step arm j saves over the incumbent if its own hypothesis holds (d tilt
+        steps of unseen work on every replica), by the race's models."""
+        race = self.race
+        shift = race.arms[j] * self._theta(race.alpha.size)
+        slowest = [float(np.max(race.alpha + race.beta * (race.splits[:, i] + shift)))
+                   for i in (race.arms.index(race.incumbent), j)]
+        return slowest[0] - slowest[1]
 
     def _extend(self) -> None:
         """A best arm at the edge of the race, its inner neighbour out: add the next one."""
@@ -468,6 +515,17 @@ class Search:
         at = race.arms[race.at] if race.at >= 0 else min(race.arms) - 1
         later = [j for d, j in order if d > at]
         return later[0] if later else order[0][1]
+
+
+def _confirmable(gain: float, step_time: float, noise: float, q: float, n_arm: float,
+                 n_ref: float) -> bool:
+    """Whether a step-time gain of `gain` seconds on `step_time` exceeds the smallest
+    difference of mean log step times a race could confirm with `n_arm` and `n_ref` windows
+    (window noise `noise`, quantile `q`)."""
+    if not gain > 0 or not step_time > gain:
+        return False
+    smallest = q * math.sqrt(noise * (1.0 / max(n_arm, 1) + 1.0 / max(n_ref, 1)))
+    return math.log(step_time / (step_time - gain)) > smallest
 
 
 def _ms(windows: WindowSums) -> str:
