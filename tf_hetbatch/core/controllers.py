@@ -375,7 +375,8 @@ class _Controller:
         levels = w.learned.stats.levels
         here = np.abs(levels.size - current) <= ROUNDING * (1.0 + current)
         incumbent_levels = WindowSums(*(np.where(here, v, 0.0) for v in levels.windows))
-        target, started = w.race.start(current, models, rule.fill, incumbent_levels)
+        target, started = w.race.start(current, models.alpha, models.beta, rule.fill,
+                                       incumbent_levels)
         return Decision(target, f"{rule.decision.reason}; {started}" if started
                         else rule.decision.reason, Guard.RULE)
 

@@ -64,8 +64,8 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from tf_hetbatch.core import split as _split
-from tf_hetbatch.core._stats import ROUNDING, WindowSums, alarm_quantile, detect, t_quantile
-from tf_hetbatch.core.move import SWITCH_WINDOWS, predicted_gain, rounded_equal_finish
+from tf_hetbatch.core._stats import WindowSums, alarm_quantile, detect, t_quantile
+from tf_hetbatch.core.move import SWITCH_WINDOWS, rounded_equal_finish
 from tf_hetbatch.core.search_state import Held, MeasuredSplit, Phase, Race, SearchState
 
 __all__ = ["Search"]
@@ -155,7 +155,7 @@ class Search:
             return False
         return float(np.max(self.race.alpha + self.race.beta * split)) < fastest
 
-    def _resolvable(self, models, d: int, current, split, base: WindowSums) -> bool:
+    def _resolvable(self, d: int, current, split, base: WindowSums) -> bool:
         """At a race's start: whether arm d could be confirmed faster than `current` if its
         own hypothesis holds (`_confirmable`), on the step time's noise so far (the earlier
         races' and the windows at `current`, `base`; unknown noise decides nothing)."""
@@ -163,13 +163,13 @@ class Search:
         dof = self.noise_dof + max(base.count - 1, 0)
         if dof <= 0 or base.count < 1:
             return True
-        shift = d * self._theta(current.size)
-        gain = predicted_gain(models, current + shift, split + shift, self.cfg.false_move_rate)
+        gain = _gain_under(self.race.alpha, self.race.beta, d * self._theta(current.size),
+                           current, split)
         visits = max(self.cfg.horizon // (2 * VISIT_WINDOWS), 1)  # two arms share the horizon
         # The bound the race's windows would give at its end (their degrees of freedom too).
         q = t_quantile(1.0 - self.cfg.false_move_rate, dof + 2 * (visits - 1))
-        return _confirmable(gain.predicted, math.exp(base.mean), max(ss, 0.0) / dof, q,
-                            visits, visits + base.count)
+        return _confirmable(gain, math.exp(base.mean), max(ss, 0.0) / dof, q, visits,
+                            visits + base.count)
 
     def _known(self, split) -> bool:
         return bool((self.race.splits == split[:, None]).all(axis=0).any())
@@ -311,15 +311,14 @@ class Search:
             race.spent += SWITCH_WINDOWS
         self.base = None
 
-    def start(self, current, models, fill, level: Optional[WindowSums] = None):
-        """The rule holds `current` on its time `models` (`fill`: their unrounded split at
-        the kept tilt, from `tilted`): starts a race around it if there is one to run
-        (`level`: each replica's windows at `current`, the incumbent's levels). Returns
+    def start(self, current, alpha, beta, fill, level: Optional[WindowSums] = None):
+        """The rule holds `current` on its models `alpha`, `beta` (`fill`: their unrounded
+        split at the kept tilt, from `tilted`): starts a race around it if there is one to
+        run (`level`: each replica's windows at `current`, the incumbent's levels). Returns
         (split, reason)."""
         if self.phase is not Phase.IDLE:
             return current, ""
         current = np.asarray(current, np.int64)
-        alpha, beta = models.alpha, models.beta
         base = _NONE if self.base is None else self.base
         race = self.race = Race(self.tilt, [self.tilt], [], [], 0, 0, 0,
                                 np.asarray(alpha, np.float64).copy(),
@@ -332,8 +331,7 @@ class Search:
             if d is None or (d < self.tilt and len(race.arms) > 1):
                 continue
             split = self._arm_split(d)
-            if self._worth(split, fastest) and self._resolvable(models, d, current, split,
-                                                                base):
+            if self._worth(split, fastest) and self._resolvable(d, current, split, base):
                 race.splits = np.concatenate([race.splits, split[:, None]], axis=1)
                 race.arms.append(d)
         if len(race.arms) == 1:
@@ -459,18 +457,12 @@ class Search:
             visits = rest // (VISIT_WINDOWS * alive)
             q_end = t_quantile(1.0 - self.cfg.false_move_rate / max(alive - 1, 1),
                                dof + alive * visits)
-            if not _confirmable(self._hypothesis_gain(j), math.exp(mine.mean), noise, q_end,
+            gain = _gain_under(race.alpha, race.beta,
+                               race.arms[j] * self._theta(race.alpha.size),
+                               race.splits[:, inc], race.splits[:, j])
+            if not _confirmable(gain, math.exp(mine.mean), noise, q_end,
                                 windows.count + visits, mine.count + visits):
                 race.alive[j] = False
-
-    def _hypothesis_gain(self, j: int) -> float:
-        """Seconds per step arm j saves over the incumbent if its own hypothesis holds (d tilt
-        steps of unseen work on every replica), by the race's models."""
-        race = self.race
-        shift = race.arms[j] * self._theta(race.alpha.size)
-        slowest = [float(np.max(race.alpha + race.beta * (race.splits[:, i] + shift)))
-                   for i in (race.arms.index(race.incumbent), j)]
-        return slowest[0] - slowest[1]
 
     def _extend(self) -> None:
         """A best arm at the edge of the race, its inner neighbour out: add the next one."""
@@ -515,6 +507,14 @@ class Search:
         at = race.arms[race.at] if race.at >= 0 else min(race.arms) - 1
         later = [j for d, j in order if d > at]
         return later[0] if later else order[0][1]
+
+
+def _gain_under(alpha, beta, shift: float, incumbent, arm) -> float:
+    """Seconds per step `arm` saves over `incumbent` if its hypothesis holds: `shift` samples'
+    worth of unseen work on every replica (the models at each size plus `shift`)."""
+    slowest = [float(np.max(alpha + beta * (np.asarray(split, np.float64) + shift)))
+               for split in (incumbent, arm)]
+    return slowest[0] - slowest[1]
 
 
 def _confirmable(gain: float, step_time: float, noise: float, q: float, n_arm: float,
