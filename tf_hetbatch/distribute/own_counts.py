@@ -23,7 +23,7 @@ from typing import Iterable, Optional
 
 import tensorflow as tf
 
-logger = logging.getLogger("tf_hetbatch")
+logger = logging.getLogger(__name__)
 
 # Ops dividing input 0 by input 1 (Reciprocal, Inv: 1 / input 0).
 _DIVISIONS = {"RealDiv": 1, "Div": 1, "DivNoNan": 1, "FloorDiv": 1, "Reciprocal": 0, "Inv": 0,
