@@ -76,15 +76,15 @@ def test_equal_replicas_under_a_common_unseen_cost_are_not_raced():
     # Equal replicas whose step is mostly a collective every replica does alike (a
     # communication-bound model on equal workers): the time models' slopes differ by noise
     # only, and the gains the search's arms predict from them are ones no race could tell
-    # from the step time's noise. Most seeds make no move after the first 20 windows (the
-    # code before this rule: 37 of 40 seeds raced on, 609 moves after window 20).
+    # from the step time's noise. Nine in ten seeds make no move after the first 20 windows
+    # (the code before this rule: 37 of 40 seeds raced on, 609 moves after window 20).
     late = []
     for seed in range(40):
         cluster = ClusterModel(np.full(3, 0.001), np.full(3, 0.00005), collective=0.004,
                                noise=0.1, allreduce=0.001)
         result = simulate(ModelBasedController(), cluster, STEPS, seed=seed, global_batch=128)
         late.append(int((np.asarray(result.adjust_steps) >= 200).sum()))
-    assert sum(n > 0 for n in late) <= 10 and sum(late) <= 100, late
+    assert sum(n > 0 for n in late) <= 4 and sum(late) <= 50, late
 
 
 @pytest.mark.parametrize("k", [3, 16])

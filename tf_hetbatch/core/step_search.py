@@ -166,8 +166,8 @@ class Search:
         gain = _gain_under(self.race.alpha, self.race.beta, d * self._theta(current.size),
                            current, split)
         visits = max(self.cfg.horizon // (2 * VISIT_WINDOWS), 1)  # two arms share the horizon
-        # The bound the race's windows would give at its end (their degrees of freedom too).
-        q = t_quantile(1.0 - self.cfg.false_move_rate, dof + 2 * (visits - 1))
+        # The noise as known now: a noise estimate from few windows is itself uncertain.
+        q = t_quantile(1.0 - self.cfg.false_move_rate, dof)
         return _confirmable(gain, math.exp(base.mean), max(ss, 0.0) / dof, q, visits,
                             visits + base.count)
 
@@ -455,12 +455,10 @@ class Search:
                     windows.mean < mine.mean:
                 continue
             visits = rest // (VISIT_WINDOWS * alive)
-            q_end = t_quantile(1.0 - self.cfg.false_move_rate / max(alive - 1, 1),
-                               dof + alive * visits)
             gain = _gain_under(race.alpha, race.beta,
                                race.arms[j] * self._theta(race.alpha.size),
                                race.splits[:, inc], race.splits[:, j])
-            if not _confirmable(gain, math.exp(mine.mean), noise, q_end,
+            if not _confirmable(gain, math.exp(mine.mean), noise, q,
                                 windows.count + visits, mine.count + visits):
                 race.alive[j] = False
 
