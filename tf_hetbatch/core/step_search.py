@@ -293,7 +293,7 @@ class Search:
         noise = max(ss, 0.0) / dof if dof > 0 else 0.0
         q = t_quantile(1.0 - self.cfg.false_move_rate, dof)
         slower = mine.windows.mean - fallback.windows.mean
-        bound = q * math.sqrt(noise * (1.0 / mine.windows.count + 1.0 / fallback.windows.count))
+        bound = _difference_bound(q, noise, mine.windows.count, fallback.windows.count)
         if not (math.isfinite(bound) and slower > bound + math.log1p(self.cfg.dead_band)):
             return None
         self.noise_ss, self.noise_dof = noise * dof, dof
@@ -409,7 +409,7 @@ class Search:
         windows = self.race.windows
         if noise <= 0:
             return 0.0 if math.isfinite(q) else math.inf
-        return q * math.sqrt(noise * (1.0 / windows[j].count + 1.0 / windows[b].count))
+        return _difference_bound(q, noise, windows[j].count, windows[b].count)
 
     def _best(self) -> Optional[int]:
         race = self.race
@@ -448,13 +448,12 @@ class Search:
         # An arm no faster than the incumbent so far, whose own hypothesis predicts a gain
         # the rest of the race could not confirm, has nothing left to find.
         inc = race.arms.index(race.incumbent)
-        alive = sum(race.alive)
+        visits = rest // (VISIT_WINDOWS * sum(race.alive))  # each arm's share of the rest
         for j, alive_j in enumerate(race.alive):
             windows, mine = race.windows[j], race.windows[inc]
             if not alive_j or j == inc or windows.count == 0 or mine.count == 0 or \
                     windows.mean < mine.mean:
                 continue
-            visits = rest // (VISIT_WINDOWS * alive)
             gain = _gain_under(race.alpha, race.beta,
                                race.arms[j] * self._theta(race.alpha.size),
                                race.splits[:, inc], race.splits[:, j])
@@ -507,6 +506,12 @@ class Search:
         return later[0] if later else order[0][1]
 
 
+def _difference_bound(q: float, noise: float, n_1: float, n_2: float) -> float:
+    """The confidence bound (quantile `q`) of the difference of two means of `n_1` and `n_2`
+    windows of variance `noise`."""
+    return q * math.sqrt(noise * (1.0 / n_1 + 1.0 / n_2))
+
+
 def _gain_under(alpha, beta, shift: float, incumbent, arm) -> float:
     """Seconds per step `arm` saves over `incumbent` if its hypothesis holds: `shift` samples'
     worth of unseen work on every replica (the models at each size plus `shift`)."""
@@ -522,7 +527,7 @@ def _confirmable(gain: float, step_time: float, noise: float, q: float, n_arm: f
     (window noise `noise`, quantile `q`)."""
     if not gain > 0 or not step_time > gain:
         return False
-    smallest = q * math.sqrt(noise * (1.0 / max(n_arm, 1) + 1.0 / max(n_ref, 1)))
+    smallest = _difference_bound(q, noise, max(n_arm, 1), max(n_ref, 1))
     return math.log(step_time / (step_time - gain)) > smallest
 
 

@@ -41,7 +41,7 @@ def warn_if_normalised_by_own_data(value, inputs: Iterable, owner, name: str) ->
     """Warns once per `owner` (a loss, a model) when the loss `value` divides by a scalar
     computed from the values of `inputs` (tensors of the same graph), naming the loss, that
     division and the fix."""
-    if owner in _warned:
+    if owner in _warned or tf.executing_eagerly():  # an eager step has no graph to read
         return
     values = [t for t in tf.nest.flatten(value) if _is_symbolic(t)]
     stops = {t.ref() for t in tf.nest.flatten(inputs) if _is_symbolic(t)}
